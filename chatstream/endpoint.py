@@ -324,7 +324,7 @@ class Endpoint:
                 return None  # this instance is full: streamed as usual
             call.stream_id = record.stream_id = producer.id
             if self.accounting is not None and admission is not None:  # a recovery charges what its log holds
-                self.accounting.streams(admission, producer.id)
+                self.accounting.produces(admission, producer.id)
             encode = self.api.encoder(call)  # now with the stream's id (/api/chat's final event names it)
             return resumable.respond(producer, first, events, encode, protocol, limits, record, headers)
 
@@ -365,7 +365,7 @@ class Endpoint:
             if self.accounting is not None and claim.producer.owner is not None:
                 admission = ending.admission = await self._admit_taken_over(claim, call, record, known)
                 admission.entry.generated = ending.generated
-                self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
+                self.accounting.produces(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, lost
@@ -458,7 +458,7 @@ class Endpoint:
         try:
             while claim.unstood() and not (over.is_set() or life.grace_over.is_set()):
                 if life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
-                    self.accounting.checkpoint()
+                    self.accounting.write_checkpoints()
                     await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
                 else:
                     await _any(claim.stood_in(), over.wait(), life.draining.wait())

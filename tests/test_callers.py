@@ -20,7 +20,7 @@ from azure.data.tables import TableServiceClient, UpdateMode
 from helpers import TEST_KEY, app_env
 from servers import App, Azurite
 
-from chatstream.state.counters import HOLD_SECONDS
+from chatstream.state.counters import SPARE_SECONDS
 from chatstream.tokens import count_prompt, count_text
 from tools.fakeupstream.scenarios import NORMAL_DELTAS, SLOW_DELTAS, TEXTS, count_prompt_tokens
 
@@ -245,7 +245,7 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
             ).status_code
             == 200
         )
-        time.sleep(HOLD_SECONDS + 1)  # what the instance held ahead has gone back to the store: the next one needs it
+        time.sleep(SPARE_SECONDS + 1)  # what the instance held ahead has gone back to the store: the next one needs it
         before = upstream.count()
         os.kill(store.node_pid, signal.SIGSTOP)  # a store that takes connections and never answers
         try:

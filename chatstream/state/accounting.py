@@ -1,11 +1,16 @@
-"""A caller's request, admitted and charged (``CALLER_KEYS=required``): what the endpoints call
-(``authenticate``, ``admit``, ``charge``), in the state's own words (port.py). What a request
-reserves and what it is charged, at which price: docs/callers.md.
+"""A caller's request, admitted and charged (``CALLER_KEYS=required``), in the state's own words
+(port.py). What a request reserves and what it is charged, at which price: docs/callers.md.
 
-``admit`` reserves against every limit of the caller and of its team at once (counters.py: all or
-nothing). ``charge`` settles it, each segment of the answer one ledger row; an answer no upstream
-took writes no row and releases the reservation. The charge is in the journal first, then the
-ledger, then the counters (journal.py): never lost, never counted twice."""
+- A request: ``authenticate``; ``admit`` reserves against every limit of the caller and of its team
+  at once (counters.py: all or nothing); ``charge`` settles it, each segment of the answer one ledger
+  row (an answer no upstream took writes no row and releases the reservation).
+- A resumable stream: ``produces`` names it; taken over, the lost producer's part is charged by
+  ``charge_lost`` (``charge_refused``: its continuation refused; ``regenerating``: still growing).
+- What a request created: ``claim``, ``owned``, ``forget``, ``keep_context``; ``charge_seen``
+  charges a background response once its usage is read back.
+
+Every charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
+never counted twice."""
 
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ class Admission:
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
-    lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
+    lost_raise: JournalEntry | None = None  # its last raise of a taken-over stream's lost part (``charge_lost``)
 
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
@@ -192,13 +197,13 @@ class Accounting:
             except StoreError as exc:  # a continuation then reserves the estimate
                 log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
 
-    def streams(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
+    def produces(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
         """The request produces resumable stream ``stream_id`` (as its ``epoch``-th producer): a
         recovery charges it at least what that producer's part of the log holds (journal.py)."""
         admission.entry.stream, admission.entry.epoch = stream_id, epoch
         self.journal.changed()
 
-    def checkpoint(self) -> None:
+    def write_checkpoints(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""
         self.journal.urgent()
 
@@ -262,12 +267,13 @@ class Accounting:
         patience: float = 0.0,
         floor: int = 0,
     ) -> None:
-        """A resumable stream taken over here as its ``epoch``-th producer (call it right after the
-        admission, again as ``text`` grows): the lost part's row (none, a recovery's or its own) raised
-        (``ledger.raised``), as a correction (``_correct``), to ``text`` (what the log shows the lost
-        producer generated after ``before``) and ``floor`` tokens more (events its caller received, text
-        unknown). Never raises: for ``patience`` seconds a store failure is tried again, a raise waits
-        for the earlier one's row, and one whose row changed first is made again; past it, the dead
+        """Charge the lost part of a resumable stream taken over here as its ``epoch``-th producer: at
+        least ``text`` (what the log shows the lost producer generated after ``before``) and ``floor``
+        tokens more (events its caller received, text unknown). Call it right after the admission, and
+        again as ``text`` grows. The part's ledger row (none, a recovery's, or an earlier raise's) is
+        raised to that (``ledger.raised``), what the raise adds counted as a correction (``_correct``).
+        Never raises: for ``patience`` seconds a store failure is tried again, a raise waits for the
+        previous one's row, and one whose row changed first is made again; after that, the dead
         instance's recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
@@ -276,11 +282,11 @@ class Accounting:
         give_up = loop.time() + patience
         again = False
         while True:
-            if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
+            if admission.lost_raise is not None:  # the previous raise lands first: this one is made on it
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(give_up):  # (a failing store holds it too)
-                        await admission.lost.written.wait()
-                if again and not admission.lost.written.is_set():
+                        await admission.lost_raise.written.wait()
+                if again and not admission.lost_raise.written.is_set():
                     return  # journaled: it lands, or counts nothing if the row changed first
             try:
                 there = await self.ledger.find(made)
@@ -290,10 +296,9 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
-            # call before (raised to what the log shows, the difference counted); or by the producer
-            # itself (a hand-over: it counted it).
-            if there is not None and not (there.author.startswith(TAKEOVER) or there.author == made.author):
+            # A row the lost producer wrote itself (a hand-over) is counted by it; a row of the dead
+            # instance's recovery (its journal's checkpoint) or of an earlier raise here is raised.
+            if there is not None and not there.author.startswith(TAKEOVER) and there.author != made.author:
                 return
             op = secrets.token_hex(6)
             charge, adds = raised(there, made, op)
@@ -301,7 +306,7 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
+            admission.lost_raise = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -336,10 +341,10 @@ class Accounting:
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
-        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
-        (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
+        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block,
+        on the stream's day, its prompt with ``before``. Sets ``admission`` to charge from its own block."""
         entry, lost = admission.entry, (max(2, epoch) - 2) * SEGMENTS_PER_PRODUCER
-        entry.segment = lost + SEGMENTS_PER_PRODUCER
+        entry.segment = lost + SEGMENTS_PER_PRODUCER  # (the next block: this producer's)
         payer = replace(entry.payer, day=day_of(started))
         prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
@@ -392,10 +397,9 @@ class Accounting:
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created is its caller's; a background response's reservation is kept,
         to be corrected when its usage is seen."""
-        reserved = (
-            max((w.need for w in admission.wants if w.key.row in ("tokens", "tpm")), default=0) if background else 0
-        )
-        spend = max((w.need for w in admission.wants if w.key.row == "spend"), default=0) if background else 0
+        wants = admission.wants if background else []  # (a request charged when it ends keeps nothing)
+        reserved = max((w.need for w in wants if w.key.row in ("tokens", "tpm")), default=0)
+        spend = max((w.need for w in wants if w.key.row == "spend"), default=0)
         try:
             owned = Owned(
                 admission.caller.id,

@@ -13,10 +13,10 @@ entry's ``applied`` is the last in). ONE exchange per counter and instance is in
 meanwhile waits for the next. A dead instance's entry in a budget row is taken out by its recovery
 (journal.py); minute windows end.
 
-**A lone request's hold.** A lone request takes one more request's worth for the next one, kept
-``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
+**A lone request's spare.** A lone request takes one more request's worth for the next one, kept
+``SPARE_SECONDS`` from the last request it served, so that requests at a steady pace need no
 exchange before their upstream call. What every instance keeps idle together stays under
-``HOLD_SHARE`` of the limit, however many instances there are.
+``SPARE_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** When an exchange's answer is lost, nothing is given back on a guess:
 the next exchange learns from the row whether it landed, and until then the counter's reservations
@@ -61,8 +61,8 @@ log = logging.getLogger("chatstream")
 
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
 SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
-HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
-HOLD_SHARE = 0.1
+SPARE_SECONDS = 3.0  # a lone request's spare outlives a pause of a few seconds between requests
+SPARE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class _Written:
 
     row: CounterRow  # what it writes (conditioned on its ETag: counter_row.write)
     delta: int  # what it takes of the row (negative: gives back)
-    applied: list[_Staged]  # the charges it applies
+    charges: list[_Staged]  # the charges it applies
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
@@ -138,9 +138,9 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle (0: no hold)...
-        self.hold: asyncio.TimerHandle | None = None  # ...until this ends it
-        self.top_up = False  # a request served from the hold settled since: take that again
+        self.spare = 0  # a lone request's spare (module docstring): what it may keep idle (0: none)...
+        self.spare_ends: asyncio.TimerHandle | None = None  # ...until this ends it
+        self.top_up = False  # a request served from the spare settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -171,8 +171,8 @@ class Lease:
             self.waiters.append(part)
             self.kick()
         else:
-            if self.hold_share:
-                self._hold(self.hold_share)  # served from the hold: it is kept for the next request (a steady pace)
+            if self.spare:
+                self._keep_spare(self.spare)  # served from the spare: it is kept for the next request (a steady pace)
             self._grant(part)
         return part
 
@@ -192,8 +192,8 @@ class Lease:
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self.hold_share:
-            self.top_up = True  # what it spent of the hold is taken again, after the request
+        if self.spare:
+            self.top_up = True  # what it spent of the spare is taken again, after the request
         return self.charge(part.need if self.key.row.startswith("rpm") else max(0, int(spent.get(self.key, 0))))
 
     def charge(self, amount: int) -> _Staged | None:
@@ -233,19 +233,19 @@ class Lease:
         (more was spent than reserved) only what the limit leaves: the next exchange decides."""
         return min(self.balance, self.remaining())
 
-    def holds(self) -> bool:
+    def in_use(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
         knowing it yet (a write for waiting reservations, one whose answer was lost)."""
         return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
-    def _hold(self, share: int) -> None:
-        """Hold ``share`` for ``HOLD_SECONDS`` from now; 0: the hold ends, and an exchange gives back
+    def _keep_spare(self, spare: int) -> None:
+        """Keep ``spare`` for ``SPARE_SECONDS`` from now; 0: the spare ends, and an exchange gives back
         what it kept."""
-        if self.hold is not None:
-            self.hold.cancel()
-        self.hold_share = share
-        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold, 0) if share else None
-        if not share:
+        if self.spare_ends is not None:
+            self.spare_ends.cancel()
+        self.spare = spare
+        self.spare_ends = asyncio.get_running_loop().call_later(SPARE_SECONDS, self._keep_spare, 0) if spare else None
+        if not spare:
             self.kick()
 
     # --- the single flight ------------------------------------------------------------------
@@ -257,7 +257,7 @@ class Lease:
     def _pending(self) -> list[Part]:
         return [part for part in self.waiters if not part.granted.done()]
 
-    def _applicable(self) -> list[_Staged]:
+    def _confirmed(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
@@ -265,10 +265,10 @@ class Lease:
     def _has_work(self) -> bool:
         return (
             self.uncertain is not None
-            or (self.top_up and self.hold_share > 0)
+            or (self.top_up and self.spare > 0)
             or bool(self._pending())
-            or bool(self._applicable())
-            or not 0 <= self.balance <= self.hold_share  # below 0, a charge past the balance: the row pays
+            or bool(self._confirmed())
+            or not 0 <= self.balance <= self.spare  # below 0, a charge past the balance: the row pays
             or self._lingers()
         )
 
@@ -313,8 +313,7 @@ class Lease:
     async def _exchange(self) -> None:
         """One exchange (module docstring): each attempt reads the row unless it is known, then
         writes; a conflict or a takeover tries again. A write whose answer was lost goes first: the
-        row changed since its condition, this instance's entry says whether it landed (each write
-        carries the next exchange number); unchanged, the same write goes again (at most one lands)."""
+        row unchanged since its condition, it is sent again (at most one lands); else ``_landed``."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
@@ -329,34 +328,21 @@ class Lease:
                 await self._send(written, again=True)
                 continue
             if written is not None:
-                mine, wrote = seen.holds.get(counters.instance), written.row.holds.get(counters.instance)
-                if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
-                    landed = mine is None and not counters.instances.fenced.is_set()
-                else:
-                    landed = mine is not None and mine.exchange >= wrote.exchange
-                self._follow(written, landed and seen.window == written.row.window)
+                self._follow(written, self._landed(written, seen))
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
             same = seen.counts_in(self.window)
             taken = seen.taken if same else 0
             holds = dict(seen.holds) if same else {}
             if self.in_row and counters.instance not in holds and same:
-                # Our entry is gone (holding 0 too: a charge not in yet): another instance took this
-                # one over (we were too slow to beat) and settled it from our journal. These books
-                # start again, with the charges no sealed journal listed (the taker did not apply
-                # them: once the journal has met the seal, those of a journal before its own).
-                log.warning("limits: %s was taken over from this instance elsewhere", self.key)
-                number = await counters.journal.met_seal() if counters.journal is not None else 1
-                if number is None:
-                    raise StoreError("this instance's journal could not be written to meet its seal")
-                self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
+                await self._taken_over()
                 continue
             window = self.window  # (the window ``taken`` and ``holds`` are of, whatever the awaits below)
             waiters = self._pending()
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
                 # row has our entry, so a takeover of this instance finds it.
-                await counters.journal.note_counter(self.key, self.holds)
+                await counters.journal.list_counter(self.key, self.in_use)
                 waiters = self._pending()
             room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
             chosen = _fitting(waiters, room)
@@ -364,41 +350,62 @@ class Lease:
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            # The hold (module docstring): what this instance keeps unassigned after the exchange.
+            # The spare (module docstring): what this instance keeps unassigned after the exchange.
             idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            share = max(0, int(self.limit * HOLD_SHARE) - idle)
+            spare_room = max(0, int(self.limit * SPARE_SHARE) - idle)
             lone = self.period == "minute" and len(waiters) == 1 and bool(chosen)
             if lone:  # it takes one more for the next request, as far as the limit leaves
-                keep = hold = max(0, min(total, share, room - total))
-            else:  # while holding, at most its share stays idle here; after a request it served, that again
-                hold = 0 if waiters else self.hold_share
-                keep = max(0, min(self.balance, hold), min(hold, share, room) if top_up else 0)
+                keep = spare = max(0, min(total, spare_room, room - total))
+            else:  # while it has a spare, at most that stays idle here; after a request it served, that again
+                spare = 0 if waiters else self.spare
+                keep = max(0, min(self.balance, spare), min(spare, spare_room, room) if top_up else 0)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
-            applied = self._applicable()
-            spent = sum(staged.amount for staged in applied)
-            if delta == 0 and not applied and not chosen and not self._lingers():
+            entering = self._confirmed()
+            spent = sum(staged.amount for staged in entering)
+            if delta == 0 and not entering and not chosen and not self._lingers():
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta - spent
             kept = self.kept and counters.instance in holds  # a lost part's raise may enter here (``kept``)
-            if held > 0 or len(self.staged) > len(applied) or kept:  # a charge not in yet: the entry stays
+            if held > 0 or len(self.staged) > len(entering) or kept:  # a charge not in yet: the entry stays
                 holds[counters.instance] = Entry(
-                    held, applied[-1].seq if applied else self.applied, self.exchange, keep
+                    held, entering[-1].seq if entering else self.applied, self.exchange, keep
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = replace(seen, window=window, taken=max(0, taken + delta), holds=holds)
-            written = _Written(row, delta, applied, self.balance)
+            written = _Written(row, delta, entering, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
             if not await self._send(written, waiters, chosen):
                 continue
             if lone:
-                self._hold(hold)
+                self._keep_spare(spare)
             return
         raise StoreError("the counter kept changing under this instance")
+
+    async def _taken_over(self) -> None:
+        """This instance's entry left the row (holding 0 too: a charge not in yet): another instance
+        took this one over (it was too slow to beat) and settled it from its journal. The books start
+        again, with the charges no sealed journal listed (the taker did not apply them: once the
+        journal has met the seal, those of a journal before its own)."""
+        log.warning("limits: %s was taken over from this instance elsewhere", self.key)
+        number = await self.counters.journal.met_seal() if self.counters.journal is not None else 1
+        if number is None:
+            raise StoreError("this instance's journal could not be written to meet its seal")
+        self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
+
+    def _landed(self, written: _Written, seen: CounterRow) -> bool:
+        """Whether ``written``, whose answer was lost, landed, by the row read since (it changed):
+        this instance's entry says (each write carries the next exchange number)."""
+        mine, wrote = seen.holds.get(self.counters.instance), written.row.holds.get(self.counters.instance)
+        if seen.window != written.row.window:
+            return False
+        if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
+            return mine is None and not self.counters.instances.fenced.is_set()
+        return mine is not None and mine.exchange >= wrote.exchange
 
     async def _send(
         self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = (), *, again: bool = False
@@ -423,17 +430,17 @@ class Lease:
     ) -> None:
         """The books follow a write: landed, the ``chosen`` waiters it granted are served; not (and
         never will), what it took out of the balance comes back."""
-        if landed and written.applied and self.counters.journal is not None:
+        if landed and written.charges and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
         if written.row.window != self.window:
             return
         if not landed:
             self.balance += written.balance_out
             return
-        self.held += written.delta - sum(staged.amount for staged in written.applied)
+        self.held += written.delta - sum(staged.amount for staged in written.charges)
         self.in_row = self.counters.instance in written.row.holds
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
-        for staged in written.applied:
+        for staged in written.charges:
             if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
             self.applied = staged.seq
@@ -506,7 +513,7 @@ class Reservation:
         for charge in self.charges:
             charge.lease.confirm(charge, (less or {}).get(charge.lease.key, 0))
 
-    def applied(self) -> bool:
+    def counted(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
         return all(charge not in charge.lease.staged for charge in self.charges)
@@ -516,7 +523,7 @@ class WriteAhead(Protocol):
     """What the counters need of this instance's journal: ``Journal``'s methods of these names
     (journal.py); ``changed``: charges entered a row (it may drop them)."""
 
-    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
+    async def list_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
     async def met_seal(self) -> int | None: ...
 
@@ -558,7 +565,7 @@ class Counters:
         minute = window_of("minute", now)
         if minute != self._pruned_at:
             self._pruned_at = minute
-            for key in [k for k, lease in self._leases.items() if lease.flight is None and not lease.holds()]:
+            for key in [k for k, lease in self._leases.items() if lease.flight is None and not lease.in_use()]:
                 del self._leases[key]
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
@@ -654,7 +661,7 @@ class Counters:
 
         def done() -> bool:
             for lease in self._leases.values():
-                lease._hold(0)  # (what is left to give back starts an exchange)
+                lease._keep_spare(0)  # (what is left to give back starts an exchange)
             return all(lease.flight is None for lease in self._leases.values())
 
         return await _until(done, lambda: list(self._leases.values()), within)

@@ -201,15 +201,15 @@ class Instances:
     async def _row_of(self, instance: str) -> dict | None:
         """Another instance's row (None: none), read at most once per ``fresh_seconds``."""
         now = asyncio.get_running_loop().time()
-        held = self._rows.get(instance)
-        if held is None or (held[1].done() and (now - held[0] > self.timing.fresh_seconds or held[1].exception())):
+        last = self._rows.get(instance)
+        if last is None or (last[1].done() and (now - last[0] > self.timing.fresh_seconds or last[1].exception())):
             if len(self._rows) > 256:
                 self._rows = {k: v for k, v in self._rows.items() if now - v[0] < 60.0}
             read = asyncio.ensure_future(self.store.get(STREAMS_TABLE, PARTITION, instance))
             read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
-            held = (now, read)
-            self._rows[instance] = held
-        return await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
+            last = (now, read)
+            self._rows[instance] = last
+        return await asyncio.shield(last[1])  # a reader that leaves does not cancel it for the others
 
     def _past_lease(self, row: dict) -> float:
         """How long ago ``row`` ran past its lease, by the store's clock (<= 0: it beats)."""

@@ -21,14 +21,12 @@ done again by the next duty holder, and two at once charge everything once.
 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
-2. **Ledger**: every settled charge's row is written (``Ledger.write``: one someone else wrote first
-   is theirs to count; a taker's raise of a lost part counts if it is in the row). An open entry's
-   row (a request's, or a lost part's its taker knew of), ``ended: lost``, is raised
-   (``ledger.raised``) to its checkpoint, or, a resumable stream's, to what its producer's part of
-   the log holds if more (``told``); only what the raise adds is counted, and the row says it, so
-   a run again, or at once, counts it once (takers count their own raises). A row an older
-   version's recovery wrote (no op of its own) counts nothing here, only a raise above it (the
-   budget rows stay below the ledger by its part if that recovery died before step 3).
+2. **Ledger**: every settled charge's row is written (one someone else wrote first is theirs to
+   count; a taker's raise of a lost part counts if it is in the row). An open entry (a request, or
+   a lost part its taker knew of) is charged ``ended: lost``: its row raised (``ledger.raised``) to
+   its checkpoint, or to what its producer's part of the stream's log holds if more (``told``).
+   Only what the raise adds is counted, and the row records the raise, so a recovery run again,
+   or twice at once, counts it once (a taker counts its own raises).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -67,10 +65,10 @@ log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
 # A write a change wakes waits this long first, unless something waits for it (``listed``,
-# ``note_counter``): a request's upstream call goes out before the journal's store call.
+# ``list_counter``): a request's upstream call goes out before the journal's store call.
 WAKE_DELAY = 0.02
 # A budget counter stays listed this long after it was last needed: the caller's next request holds
-# it again without a journal write first (note_counter); a takeover reads its row, nothing else.
+# it again without a journal write first (list_counter); a takeover reads its row, nothing else.
 LISTED_SECONDS = 60.0
 
 
@@ -83,29 +81,32 @@ class JournalEntry:
     """One request in the journal, open or settled; or a correction of one (``accounting._correct``,
     settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open)."""
 
+    # In its journal document (``serialised``):
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None  # what an open entry's checkpoint is charged at (a settled one: its charges)
-    generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
-    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
-    counted_chars: dict[int, int] = field(default_factory=dict)
-    counted_tokens: int = 0
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
-    amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
+    spent: dict[CounterKey, int] = field(default_factory=dict)  # settled: of each budget counter (stored "amounts")
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
+    counted_tokens: int = 0  # of the checkpoint, counted so far (read back: all of it, ``generated``)
+    # The request path's, never in the journal:
+    generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
+    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
+    counted_chars: dict[int, int] = field(default_factory=dict)  # per choice: the text ``counted_tokens`` has
     reservation: Reservation = field(default_factory=Reservation)  # what it holds; settled: its charges there
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
-    orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
-    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
-    # ``serialised``: the JSON of the fields set once; of all but the checkpoint, and for which fields
+    taken_over: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    # ``serialised``'s caches: the JSON of the fields set at opening; of all but the checkpoint, with
+    # the (state, segment, stream, epoch) it was made of
     _fixed: str = field(default="", repr=False)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
@@ -132,8 +133,9 @@ class JournalEntry:
         return Charge.made(self.payer, self.model, used, self.price, "lost", author, self.segment)
 
     def serialised(self) -> str:
-        """Its document in the journal, as JSON: made again only as its state, segment, stream or
-        epoch change, but for an open request's checkpoint (``generated``, its last field; issue #44)."""
+        """Its document in the journal, as JSON. Only an open request's checkpoint (``generated``, its
+        last field) is encoded at every write; the rest is kept until its state, segment, stream or
+        epoch changes."""
         fields = (self.state, self.segment, self.stream, self.epoch)
         if self._head[0] != fields:
             if not self._fixed:
@@ -156,7 +158,7 @@ class JournalEntry:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
             doc["charges"] = [c.values() for c in self.charges]
-            doc["amounts"] = _named(self.amounts)
+            doc["amounts"] = _named(self.spent)
             doc["seqs"] = _named(self.seqs)
         return doc
 
@@ -180,7 +182,7 @@ class JournalEntry:
             epoch=int(doc.get("epoch") or 1),
             state=doc.get("state") or "open",
             charges=[Charge.of(c) for c in doc.get("charges") or []],
-            amounts=parsed(doc.get("amounts")),
+            spent=parsed(doc.get("amounts")),
             seqs=parsed(doc.get("seqs")),
         )
 
@@ -196,7 +198,7 @@ class Journal:
         self.interval = JOURNAL_SECONDS
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
-        self._noted: set[CounterKey] = set()  # budget counters in the last written journal
+        self._listed_counters: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: float | None = None  # when the first counter listed but not needed lapses (_listing)
         self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
@@ -210,7 +212,7 @@ class Journal:
         self._quiet.set()
         self._closed = False
         self._failing = False  # the last write failed: requests do not wait for a listing
-        self.number = 1  # which journal of this process: one more each time one was found sealed (_fenced)
+        self.number = 1  # which journal of this process: one more each time one was found sealed (_taken_over)
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -228,12 +230,12 @@ class Journal:
         """The request is over, having ``spent`` (per counter): its reservation settled, listed as
         settled, then its ledger rows, then the counters (module docstring); all in the background."""
         entry.reservation.settle(spent)
-        if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
+        if entry.taken_over:  # taken over, the journal learnt it first: its taker charged it
             entry.reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
         entry.charges = charges
-        entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
+        entry.spent = {key: spent.get(key, 0) for key in entry.needs}
         entry.seqs = entry.reservation.seqs
         entry.generated = None
         self.changed()
@@ -247,11 +249,11 @@ class Journal:
             async with asyncio.timeout(within):
                 await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
-    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
+    async def list_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
         """Before this instance holds any of budget counter ``key``: a written journal lists it, and
         goes on listing it while ``holding()`` (and ``LISTED_SECONDS`` after)."""
         self._holding[key] = holding
-        while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
+        while key not in self._listed_counters and not self._closed:  # a write that failed (or was fenced): the next
             self._needed_at[key] = asyncio.get_running_loop().time()
             await asyncio.shield(self._next_write())
 
@@ -333,12 +335,12 @@ class Journal:
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
             for key, e in self.entries.items()
-            if not (e.state == "settled" and e.written.is_set() and e.reservation.applied())
+            if not (e.state == "settled" and e.written.is_set() and e.reservation.counted())
         }
         listed = self._listing()
-        # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
+        # A counter this write drops is not listed once it lands: one held again meanwhile (list_counter)
         # waits for the next write, not for this one.
-        self._noted &= set(listed)
+        self._listed_counters &= set(listed)
         if not self.entries and not listed:
             if self._etag is not None:
                 with contextlib.suppress(StoreError):
@@ -358,11 +360,11 @@ class Journal:
         except Modified:
             found = await self.store.get_blob(name)
             if found is None or json.loads(found[0]).get("sealed_by"):
-                self._fenced()  # sealed (or taken over and deleted) by another instance
+                self._taken_over()  # sealed (or taken over and deleted) by another instance
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
-        self._noted = set(listed)
+        self._listed_counters = set(listed)
         for entry in in_doc:
             entry.listed = True
         for entry in settled_now:
@@ -407,24 +409,24 @@ class Journal:
             else:
                 backoff = self.interval
 
-    def _fenced(self) -> None:
+    def _taken_over(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
         listed is the taker's now; what came after goes on under the new incarnation's journal."""
         log.warning("journal: sealed by another instance (this one was taken over); starting a new one")
         for key, entry in list(self.entries.items()):
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
-                entry.orphaned = True
+                entry.taken_over = True
                 if not entry.journaled:  # settled here since (or open: nothing staged): as in ``settle``
-                    entry.reservation.confirm(less=entry.amounts)
+                    entry.reservation.confirm(less=entry.spent)
                 del self.entries[key]
         self._etag = None
-        self._noted = set()
+        self._listed_counters = set()
         self._needed_at.clear()
         self.number += 1
 
     async def met_seal(self) -> int | None:
         """A budget row lost this instance's entry (counters.py): this journal's ``number`` once a write
-        tells whether it was sealed (``_fenced``); None if it could not be written."""
+        tells whether it was sealed (``_taken_over``); None if it could not be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())
         return self.number if self._etag is None or not self._failing else None
@@ -490,7 +492,7 @@ class Recovery:
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
         counters = [CounterKey.parse(key) for key in doc.get("counters") or []]
         for key in counters:  # 3.
-            await self._give_back(key, dead, owed)
+            await self._settle_counter(key, dead, owed)
         with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
         log.info("journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(counters))
@@ -512,7 +514,7 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
-    async def _logged(self, entry: JournalEntry) -> int:
+    async def _logged_tokens(self, entry: JournalEntry) -> int:
         """Completion tokens of an open entry's part of its stream's log (0: none, or not read)."""
         if self.told is None or not entry.stream:
             return 0
@@ -530,7 +532,7 @@ class Recovery:
     async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
         """Step 2 for one entry: what it brings into each budget counter, less what others count."""
         if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part: raised
-            charge = entry.lost_charge(TAKEOVER + dead, await self._logged(entry))
+            charge = entry.lost_charge(TAKEOVER + dead, await self._logged_tokens(entry))
             for _ in range(MAX_ATTEMPTS):
                 write, adds = raised(await self.ledger.find(charge), charge, charge.author)
                 if write is None or await self._write([write]) == [False]:  # (True: the row changed first)
@@ -539,7 +541,7 @@ class Recovery:
         theirs = await self._write(entry.charges)  # (a stream's taker charged a part first: it counts it)
         less = amounts(entry.needs, [c for c, t in zip(entry.charges, theirs, strict=True) if t])
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
-        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
+        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.spent.items()}
 
     async def _write(self, charges: list[Charge]) -> list[bool]:
         """``Ledger.write`` for a recovery: each charge's row landed (False) or another's (True)."""
@@ -548,7 +550,7 @@ class Recovery:
             raise StoreError("the usage ledger could not be written")
         return [bool(t) for t in theirs]
 
-    async def _give_back(
+    async def _settle_counter(
         self, key: CounterKey, dead: str, owed: list[tuple[JournalEntry, dict[CounterKey, int]]]
     ) -> None:
         """Step 3 for one budget counter row; a conflict re-reads."""

@@ -51,7 +51,7 @@ class Payer:
         return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
     def values(self) -> dict[str, Any]:
-        """Its fields by name (``asdict``'s deep copy cost more than the rest of a charge: issue #44)."""
+        """Its fields by name (not ``asdict``: its deep copy cost more than the rest of a charge)."""
         return dict(vars(self))
 
 
@@ -126,12 +126,13 @@ TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
 def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge | None, Charge]:
-    """The one way a row is raised: the write that takes ``there`` (``Ledger.find``; None: no row) to
-    ``charge``, made on that row (its author kept; ``write`` lands it if the row did not change
-    first), its op ``by=tokens/cost`` naming who raised it (a recovery: TAKEOVER + the dead instance;
-    a stream's taker: an id of its own); and what it adds, as a charge of the difference. No write
-    if the row holds as much already (adding nothing), or if ``by`` raised it already (adding what
-    that raise did: a recovery run again, or at once elsewhere, counts it once)."""
+    """The one way a row is raised: row ``there`` (``Ledger.find``; None: none yet) raised to
+    ``charge``, as (the write, what it adds). The write is made on that row (its author kept:
+    ``write`` lands it only if the row did not change first) and records its op ``by=tokens/cost``,
+    ``by`` naming who raised it (a recovery: TAKEOVER + the dead instance; a stream's taker: an id of
+    its own). What it adds is a charge of the difference, in its prompt tokens. No write if the row
+    holds as much already (it adds nothing), or if ``by`` raised it already (it adds what that raise
+    did: a recovery run again, or twice at once, counts it once)."""
     ops = {who: counted for who, _, counted in (op.rpartition("=") for op in there.ops.split())} if there else {}
     if by in ops:  # (a bare id, a taker's op as an older version wrote it, names no one)
         tokens, _, cost = ops[by].partition("/")

@@ -77,7 +77,7 @@ async def test_settled_below_the_reservation_gives_back_and_a_lone_request_needs
     first = await c.reserve([want("tpm", 1000, 100)])
     assert isinstance(first, Reservation)
     first.settle({CounterKey("c|1", "tpm"): 30})
-    await asyncio.sleep(0.05)  # what came back beyond the hold share goes back (after the request)
+    await asyncio.sleep(0.05)  # what came back beyond the spare goes back (after the request)
     calls = sum(data.calls.values())
     second = await c.reserve([want("tpm", 1000, 100)])  # served from what the first one left here
     assert isinstance(second, Reservation) and sum(data.calls.values()) == calls
@@ -86,7 +86,7 @@ async def test_settled_below_the_reservation_gives_back_and_a_lone_request_needs
     assert row(data, "c|1", "tpm")["taken"] == 30
 
 
-async def test_requests_at_a_steady_pace_are_served_from_the_hold_without_a_store_call_before_them():
+async def test_requests_at_a_steady_pace_are_served_from_the_spare_without_a_store_call_before_them():
     data = MemoryData()
     c = counters(data, "a")
     before = []
@@ -96,10 +96,10 @@ async def test_requests_at_a_steady_pace_are_served_from_the_hold_without_a_stor
         assert isinstance(got, Reservation)
         before.append(sum(data.calls.values()) - calls)
         got.settle({CounterKey("c|1", "tpm"): 60})
-        await asyncio.sleep(0.05)  # the hold is filled again after the request
+        await asyncio.sleep(0.05)  # the spare is filled again after the request
     assert before[0] > 0 and before[1:] == [0] * 5
     assert await c.flush(3)
-    assert row(data, "c|1", "tpm")["taken"] == 6 * 60  # exactly what was spent, once the hold is given back
+    assert row(data, "c|1", "tpm")["taken"] == 6 * 60  # exactly what was spent, once the spare is given back
 
 
 async def test_all_or_nothing_a_refusal_by_the_team_gives_back_what_the_caller_reserved():
@@ -413,16 +413,16 @@ async def _whole(data: MemoryData, c: Counters, spent: dict[tuple[str, str], int
         again.release()
 
 
-@pytest.mark.parametrize("granted", ["from the hold", "by its exchange"])
+@pytest.mark.parametrize("granted", ["from the spare", "by its exchange"])
 async def test_a_reservation_cancelled_while_it_waits_gives_back_what_one_limit_granted(granted):
     """The caller hangs up while its admission waits for the store: the caller's tokens per minute
-    granted (served from the hold, or by an exchange that answered), the team's budget still waiting
+    granted (served from the spare, or by an exchange that answered), the team's budget still waiting
     (a frozen store, or a slow one). What was granted, and what is granted after, comes back."""
     data = MemoryData()
     c = counters(data, "a")
     store = c.store
     assert isinstance(store, MemoryStore)
-    if granted == "from the hold":
+    if granted == "from the spare":
         first = await c.reserve([want("tpm", 10_000, 100)])  # a lone request: one more kept for the next
         assert isinstance(first, Reservation)
         first.release()
@@ -435,8 +435,8 @@ async def test_a_reservation_cancelled_while_it_waits_gives_back_what_one_limit_
     asking = asyncio.ensure_future(c.reserve(wants))
     await asyncio.sleep(0.3)  # under RESERVE_TIMEOUT: the reservation still waits
     assert not asking.done()
-    if granted == "from the hold":
-        assert data.calls["get"] == 1 + 1  # the team's read only (tpm served from the hold here)
+    if granted == "from the spare":
+        assert data.calls["get"] == 1 + 1  # the team's read only (tpm served from the spare here)
     asking.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asking
@@ -489,9 +489,9 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
 
 async def test_a_row_in_debt_is_refused_with_what_was_spent_and_a_hold_serves_nothing_until_the_next_minute():
     """b spends past the tokens per minute (more than it reserved: the tokens were spent): the row is
-    in debt. a, keeping a lone request's hold, learns it when its hold is topped up; its next request
-    is refused (the hold serves none while the row is over: admitted, it was told 20 remained),
-    saying what was spent (not the limit less a's hold); the next minute admits."""
+    in debt. a, keeping a lone request's spare, learns it when its spare is topped up; its next request
+    is refused (the spare serves none while the row is over: admitted, it was told 20 remained),
+    saying what was spent (not the limit less a's spare); the next minute admits."""
     data = MemoryData()
     clock = Clock()
     a, b = counters(data, "a", clock), counters(data, "b", clock)
@@ -504,10 +504,10 @@ async def test_a_row_in_debt_is_refused_with_what_was_spent_and_a_hold_serves_no
     assert isinstance(over, Reservation)
     over.settle({tpm: 1000})
     await asyncio.sleep(0.05)  # b's charge past its balance goes to the row
-    assert row(data, "c|1", "tpm")["taken"] == 1200  # 1,100 spent, a's hold of 100: 200 over
-    served = await a.reserve([want("tpm", 1000, 50)])  # from a's hold: a does not know yet
+    assert row(data, "c|1", "tpm")["taken"] == 1200  # 1,100 spent, a's spare of 100: 200 over
+    served = await a.reserve([want("tpm", 1000, 50)])  # from a's spare: a does not know yet
     assert isinstance(served, Reservation)
-    served.settle({tpm: 30})  # the hold topped up: a reads the row in debt
+    served.settle({tpm: 30})  # the spare topped up: a reads the row in debt
     await asyncio.sleep(0.05)
     refused = await a.reserve([want("tpm", 1000, 50)])
     assert isinstance(refused, Refused) and refused.used == 1130, refused  # 100 + 30 + 1,000 spent
@@ -577,7 +577,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     journal_down = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    await until(lambda: r0.entry.taken_over, what="a's journal meets the seal")
     finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))  # its exchange finds a's entry gone
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
@@ -618,7 +618,7 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     await acc_a.charge_seen(caller, "response", "resp_bg", "gpt-4o", Used(10, 0, 5000), "responses")
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    await until(lambda: r0.entry.taken_over, what="a's journal meets the seal")
     finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
@@ -646,9 +646,9 @@ async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_
     await until(lambda: r1.entry.written.is_set(), what="r1 journaled and its ledger row written")
     await asyncio.sleep(1.0)  # a's journal writes once more (r1's row in), then has nothing to write
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
-    assert not r0.entry.orphaned  # a's journal has not met the seal yet
+    assert not r0.entry.taken_over  # a's journal has not met the seal yet
     counters_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's counters have a's journal meet the seal")
+    await until(lambda: r0.entry.taken_over, what="a's counters have a's journal meet the seal")
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # r1 (a's), r0 at its checkpoint (b's)

@@ -701,8 +701,8 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     going_on = await acc_b.admit(caller, asked(call("a story"), taken))
     assert isinstance(going_on, Admission)
     await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
-    assert going_on.lost is not None
-    await asyncio.wait_for(going_on.lost.written.wait(), 5)  # journaled, then in the ledger
+    assert going_on.lost_raise is not None
+    await asyncio.wait_for(going_on.lost_raise.written.wait(), 5)  # journaled, then in the ledger
     rec.hung_up()
     finish(acc_a, first, rec, None, generated={0: ["Once upon a time there was a fox"]})
     finish(acc_b, going_on, taken, usage(40, 12))
@@ -728,7 +728,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     assert lost["ended"] == "lost"
     # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
     finish(acc_a, r1, rec1, usage(r1.entry.prompt_tokens, 500))
-    await until(lambda: r1.entry.orphaned, what="a learns its journal was sealed: r1 is not its own any more")
+    await until(lambda: r1.entry.taken_over, what="a learns its journal was sealed: r1 is not its own any more")
     r2, rec2 = await admit(acc_a, caller, "two")  # what comes after is a's, under a new journal
     assert isinstance(r2, Admission)
     finish(acc_a, r2, rec2, usage(10, 5))
@@ -763,14 +763,14 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
     assert {lost[r.id]["ended"] for r in (rec0, rec1)} == {"lost"}
     if first == "journal":
         blocked.times = 0
-        await until(lambda: r0.entry.orphaned and r1.entry.orphaned, what="a's journal meets the seal")
+        await until(lambda: r0.entry.taken_over and r1.entry.taken_over, what="a's journal meets the seal")
     finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 3))  # its settle's exchange finds a's entry gone
     await until(lambda: "was taken over from this instance elsewhere" in caplog.text, what="a's counters learn")
     finish(acc_a, r1, rec1, usage(r1.entry.prompt_tokens, 500))
     if first == "counters":
         await until(lambda: r1.entry.state == "settled", what="r1 settled before the journal can tell a of the seal")
         blocked.times = 0
-        await until(lambda: r0.entry.orphaned and r1.entry.orphaned, what="a's journal meets the seal")
+        await until(lambda: r0.entry.taken_over and r1.entry.taken_over, what="a's journal meets the seal")
     assert await acc_a.flush(5)
     assert ledger_rows(data) == lost
     spent_as_the_ledger(data, caller, team, lost.values())
@@ -958,7 +958,7 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
         await until(lambda: lost.times == 0, what="the lost write")
     finish(acc_a, r1, rec1, usage(50, 20))
     assert await acc_a.flush(5)
-    assert not r1.entry.orphaned
+    assert not r1.entry.taken_over
     rows = ledger_rows(data)
     assert rows[rec1.id]["ended"] == "completed" and rows[rec1.id]["author"] == "instance-a"
     expected = 70 + (20 if fault == "unavailable" else 0)
@@ -1039,7 +1039,7 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
     r.entry.generated = lambda: {0: checkpoint}
     if epoch > 1:  # a took the stream over (Endpoint.take_over): its own block of segments
         r.entry.segment = (epoch - 1) * 20
-    acc_a.streams(r, STREAM, epoch)
+    acc_a.produces(r, STREAM, epoch)
 
     def journaled() -> bool:
         entry = entry_of(data, "instance-a", rec.id)
