@@ -35,10 +35,10 @@ from .state.accounting import Accounting
 from .state.streamlog.errors import (
     PastTheEnd,
     StreamLogError,
+    StreamLogUnavailable,
     StreamNotFound,
     TooManyReaders,
     TooManyStreams,
-    Unavailable,
 )
 from .state.streamlog.format import EncodeError, LogError, log_tag
 from .state.streamlog.log import StreamLog
@@ -317,7 +317,7 @@ def last_event_id(header: str | None, query: str | None = None) -> int | None:
 _STATUSES: tuple[tuple[type[StreamLogError], int, ErrorKind], ...] = (
     (StreamNotFound, 404, ErrorKind.NOT_FOUND),
     (TooManyReaders, 429, ErrorKind.RATE_LIMITED),
-    (Unavailable, 503, ErrorKind.STREAM_STORE_UNAVAILABLE),
+    (StreamLogUnavailable, 503, ErrorKind.STREAM_STORE_UNAVAILABLE),
 )
 
 

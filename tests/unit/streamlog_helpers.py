@@ -26,7 +26,7 @@ from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
 from chatstream.state.streamlog.config import ResumeConfig
-from chatstream.state.streamlog.errors import StreamNotFound, Unavailable
+from chatstream.state.streamlog.errors import StreamLogUnavailable, StreamNotFound
 from chatstream.state.streamlog.format import epoch_id, position
 from chatstream.state.streamlog.log import StreamLog, sweep
 from chatstream.state.streamlog.takeover import Claim
@@ -179,7 +179,7 @@ async def open_when_visible(streams: StreamLog, stream_id: str, after, caller=No
     while True:
         try:
             return await streams.open_reader(stream_id, after, caller)
-        except (StreamNotFound, Unavailable):
+        except (StreamNotFound, StreamLogUnavailable):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.02)

@@ -19,7 +19,7 @@ from chatstream import sse
 from chatstream.state.instances import PARTITION, Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
 from chatstream.state.streamlog.config import ResumeConfig, Turns
-from chatstream.state.streamlog.errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from chatstream.state.streamlog.errors import PastTheEnd, StreamLogUnavailable, StreamNotFound, TooManyReaders
 from chatstream.state.streamlog.format import Record, check_stream_id, new_stream_id, started_at
 from chatstream.state.streamlog.log import StreamLog, sweep
 
@@ -383,7 +383,7 @@ async def test_a_store_that_fails_never_stalls_the_live_stream():
         # A reader elsewhere gets a clear error event, not a hang.
         tail = await read_all(reader_b, limit=5)
         assert b'"store_unavailable"' in tail and b"id: " not in tail.rsplit(b"\n\n", 2)[-2]
-        with pytest.raises(Unavailable):  # opening: unavailable within the call bound
+        with pytest.raises(StreamLogUnavailable):  # opening: unavailable within the call bound
             await b.open_reader(producer.id, None, None)
         # The store back: the stored log ends with stream_lost where it stopped, so that a reader
         # elsewhere ends there instead of waiting.

@@ -37,5 +37,5 @@ class TooManyStreams(StreamLogError):
     """This instance already produces ``max_producers`` streams: stream this one without resumability."""
 
 
-class Unavailable(StreamLogError):
+class StreamLogUnavailable(StreamLogError):
     """The store did not answer (in time): try again shortly."""

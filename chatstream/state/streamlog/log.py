@@ -14,7 +14,7 @@ from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
 from . import inbox, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
+from .errors import StreamLogUnavailable, StreamNotFound, TooManyReaders, TooManyStreams
 from .format import (
     RECORD_ROW,
     EncodeError,
@@ -132,12 +132,12 @@ class StreamLog:
         """The events of ``stream_id`` after event ``after`` (the last id the caller has; None: from
         the start), then the live ones to the final event. Raises before anything is sent:
         StreamNotFound (unknown, expired, malformed, another caller's), PastTheEnd, TooManyReaders,
-        Unavailable."""
+        StreamLogUnavailable."""
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
         if self._ctx.closed:
-            raise Unavailable("the stream log is closed")
+            raise StreamLogUnavailable("the stream log is closed")
         if self._ctx.readers >= self.config.max_readers:
             raise TooManyReaders("too many readers on this instance")
         return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
@@ -149,7 +149,7 @@ class StreamLog:
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
-        False if it had already ended. StreamNotFound / Unavailable as for open_reader."""
+        False if it had already ended. StreamNotFound / StreamLogUnavailable as for open_reader."""
         check_stream_id(stream_id)
         producer = self.producing(stream_id)
         if producer is not None:
@@ -168,7 +168,7 @@ class StreamLog:
                 fields = {"PartitionKey": stream_id, "RowKey": RECORD_ROW, "cancelled": True}
                 await self.store.merge(STREAMS_TABLE, fields)
         except StoreError as exc:
-            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+            raise StreamLogUnavailable(f"the stream's store is unavailable ({exc})") from None
         return True
 
     # -- taking over ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, Unavailable
+from .errors import PastTheEnd, StreamLogUnavailable, StreamNotFound
 from .format import (
     END,
     LOST,
@@ -152,7 +152,7 @@ class Reader:
 
     async def opened(self, caller: str | None) -> Reader:
         """This reader, opened: checked, its slot held, what is stored read (from the producer when it
-        is here, else ``_open_stored``); else released (a store that fails: Unavailable)."""
+        is here, else ``_open_stored``); else released (a store that fails: StreamLogUnavailable)."""
         try:
             producer = self._producing(self.stream_id)
             if producer is None:
@@ -168,7 +168,7 @@ class Reader:
         except BaseException as exc:
             self._release()
             if isinstance(exc, StoreError):
-                raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+                raise StreamLogUnavailable(f"the stream's store is unavailable ({exc})") from None
             raise
         return self
 
