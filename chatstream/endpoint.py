@@ -259,7 +259,7 @@ class Endpoint:
             record.texts = {}
         body = await self.api.completion(body, self.pipeline, record)
         if admission is not None and isinstance(body.get("id"), str):
-            await self._claim(admission, body["id"], call)
+            await self._own(admission, body["id"], call)
             await ending.keep_context()
         ending.finish()
         return JsonAnswer(body, give_up_at, headers={**NO_STORE, **ending.headers()})
@@ -294,7 +294,7 @@ class Endpoint:
         )
         if admission is not None and protocol.id:  # the id came with the first events
             try:
-                await self._claim(admission, protocol.id, call)
+                await self._own(admission, protocol.id, call)
             except BaseException:  # cancelled: this answer never goes out; its events end here (and charge)
                 if isinstance(response, EventStreamResponse):
                     await response.close()
@@ -478,10 +478,10 @@ class Endpoint:
                 floor,
             )
 
-    async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
+    async def _own(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
         if self.accounting is not None and self.api.owns is not None:
-            await self.accounting.claim(self.api.owns, created, admission, bool(call.params.get("background")))
+            await self.accounting.own(self.api.owns, created, admission, bool(call.params.get("background")))
 
 
 class _Ending:

@@ -6,7 +6,7 @@
   row (an answer no upstream took writes no row and releases the reservation).
 - A resumable stream: ``produces`` names it; taken over, the lost producer's part is charged by
   ``charge_lost`` (``charge_refused``: its continuation refused; ``regenerating``: still growing).
-- What a request created: ``claim``, ``owned``, ``forget``, ``keep_context``; ``charge_seen``
+- What a request created: ``own``, ``owned``, ``forget``, ``keep_context``; ``charge_seen``
   charges a background response once its usage is read back.
 
 Every charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
@@ -60,7 +60,7 @@ class Admission:
     entry: JournalEntry
     started: float
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
-    created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
+    created: tuple[str, str] | None = None  # (kind, id) of what the request created, once owned
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost_raise: JournalEntry | None = None  # its last raise of a taken-over stream's lost part (``charge_lost``)
 
@@ -394,7 +394,7 @@ class Accounting:
         self.journal.settle(self.journal.open(entry), [charge], needs)
         return entry
 
-    async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
+    async def own(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created is its caller's; a background response's reservation is kept,
         to be corrected when its usage is seen."""
         wants = admission.wants if background else []  # (a request charged when it ends keeps nothing)
@@ -409,7 +409,7 @@ class Accounting:
                 price=admission.entry.price if background else None,  # what it is charged at when its usage is seen
                 charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
-            await self.owners.claim(kind, created, owned)
+            await self.owners.own(kind, created, owned)
         except StoreError as exc:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background

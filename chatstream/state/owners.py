@@ -32,7 +32,7 @@ RESPONSE_LIFETIME = 30 * 86400.0
 class Owned(Stored):
     """An owner row: who created the object, and what a background response reserved."""
 
-    caller_id: str  # (a row claimed before ids names its caller: ``name:<its name>``)
+    caller_id: str  # (a row written before ids names its caller: ``name:<its name>``)
     context: int = 0  # tokens a continuation of it carries (0: not known; ``set_context``)
     reserved: int = 0  # a background response: the tokens it reserved...
     reserved_spend: int = 0  # ...the money (pico-USD)...
@@ -46,7 +46,7 @@ class Owned(Stored):
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Self:
-        """The row as written; ValueError when it names no owner (a charge mark without a claim)."""
+        """The row as written; ValueError when it names no owner (a charge mark without an owner)."""
         owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)
         price = Price.of(json.loads(row["price"])) if row.get("price") else None
         return super().of({**row, "caller_id": owner, "price": price})
@@ -66,14 +66,14 @@ class Owners:
             "expires": now + RESPONSE_LIFETIME,
         }
 
-    async def claim(self, kind: str, id: str, owned: Owned) -> None:
-        """Record that ``owned.caller_id`` created ``kind``/``id``; a claim made already stands,
+    async def own(self, kind: str, id: str, owned: Owned) -> None:
+        """Record that ``owned.caller_id`` created ``kind``/``id``; an owner recorded already stands,
         unchanged. StoreError when the store does not answer."""
         with contextlib.suppress(AlreadyExists):
             await self.store.insert(RESPONSES_TABLE, self._new_row(kind, id, **owned.entity()))
 
     async def owned(self, kind: str, id: str) -> Owned | None:
-        """Who created ``kind``/``id`` (None: nobody claimed it). A route answers 404 to anyone else
+        """Who created ``kind``/``id`` (None: nobody owns it). A route answers 404 to anyone else
         (the object's existence is not revealed)."""
         row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
         return Owned.of(row) if row is not None and (row.get("caller_id") or row.get("caller")) else None
@@ -93,7 +93,7 @@ class Owners:
             row = await self.store.get(RESPONSES_TABLE, key, kind)
             if row is None:
                 entity = self._new_row(kind, id, charged=True, charged_by=mark)
-                try:  # never claimed (its claim failed) or deleted meanwhile: the first mark wins
+                try:  # never owned (its ``own`` failed) or deleted meanwhile: the first mark wins
                     await self.store.insert(RESPONSES_TABLE, entity)
                     return True
                 except (AlreadyExists, StoreUnavailable):

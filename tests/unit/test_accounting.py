@@ -329,7 +329,7 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     bob, _ = await state.registry.create(CallerSpec(name="bob"))
     first, rec = await admit(acc, alice)
     assert isinstance(first, Admission)
-    await acc.claim("response", "resp_1", first, background=False)
+    await acc.own("response", "resp_1", first, background=False)
     await acc.keep_context(first, Usage((Used(10, 0, 20),), "completed", reported=True))  # before its last event
     assert (await Owners(state.store).owned("response", "resp_1")).context == 30
     finish(acc, first, rec, usage(10, 20))
@@ -373,7 +373,7 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=100_000, spend_budget=1))
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
     assert isinstance(admitted, Admission)
-    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    await acc_a.own("response", "resp_bg", admitted, background=True)
     finish(acc_a, admitted, rec, None)  # the request is over; the response goes on upstream
     assert await acc_a.flush(5)
     assert ledger_rows(data) == []
@@ -416,7 +416,7 @@ async def test_the_prices_not_read_leave_the_team_known_its_refusal_and_its_budg
     caller, _ = await state.registry.create(CallerSpec(name="c", team="t"))
     admitted, rec = await admit(acc, caller, max_output_tokens=1000, background=True)
     assert isinstance(admitted, Admission)
-    await acc.claim("response", "resp_bg", admitted, background=True)
+    await acc.own("response", "resp_bg", admitted, background=True)
     finish(acc, admitted, rec, None)
     assert await acc.flush(5)
     state.registry.cache.forget("prices")  # their answer ran out; the team's is still kept
@@ -440,7 +440,7 @@ async def test_a_response_its_request_charged_is_not_charged_again_when_read_bac
     caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=100_000))
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=background, stream=True)
     assert isinstance(admitted, Admission)
-    await acc_a.claim("response", "resp_1", admitted, background=background)
+    await acc_a.own("response", "resp_1", admitted, background=background)
     finish(acc_a, admitted, rec, usage(40, 60))
     assert await acc_a.flush(5)
     for acc in (acc_b, acc_a):

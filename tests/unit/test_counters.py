@@ -542,7 +542,7 @@ async def _a_holding_a_background_response():
     caller = await a.registry.get(Caller, "c")
     background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
     assert isinstance(background, Admission)
-    await acc_a.claim("response", "resp_bg", background, background=True)
+    await acc_a.own("response", "resp_bg", background, background=True)
     finish(acc_a, background, rec, None)
     assert await acc_a.flush(5)
     return data, a, acc_a, b, caller

@@ -1189,7 +1189,7 @@ async def test_a_background_responses_usage_seen_is_journaled_and_charged_once_i
     a, acc_a, b, acc_b, caller, price = await setup(data)
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
     assert isinstance(admitted, Admission)
-    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    await acc_a.own("response", "resp_bg", admitted, background=True)
     finish(acc_a, admitted, rec, None)  # over here; the response goes on upstream: its reservation held
     assert await acc_a.flush(5)
     assert isinstance(b.store, MemoryStore)
@@ -1228,7 +1228,7 @@ async def test_a_correction_by_an_instance_that_never_held_its_budgets_is_applie
     a, acc_a, b, acc_b, caller, price = await setup(data)
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
     assert isinstance(admitted, Admission)
-    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    await acc_a.own("response", "resp_bg", admitted, background=True)
     finish(acc_a, admitted, rec, None)
     assert await acc_a.flush(5)
     assert isinstance(b.store, MemoryStore)

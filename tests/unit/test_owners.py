@@ -19,9 +19,9 @@ from chatstream.state.store import RESPONSES_TABLE, StoreClock
 async def test_what_a_caller_creates_belongs_to_it():
     owners = Owners(MemoryStore())
     assert await owners.owned("response", "resp_1") is None
-    await owners.claim("response", "resp_1", Owned("alice-id"))
-    await owners.claim("response", "resp_1", Owned("alice-id"))  # idempotent
-    await owners.claim("response", "resp_1", Owned("bob-id"))  # the first claim stands
+    await owners.own("response", "resp_1", Owned("alice-id"))
+    await owners.own("response", "resp_1", Owned("alice-id"))  # idempotent
+    await owners.own("response", "resp_1", Owned("bob-id"))  # the first owner stands
     owned = await owners.owned("response", "resp_1")
     assert owned is not None and owned.caller_id == "alice-id"
     assert await owners.owned("stream", "resp_1") is None  # kinds are apart
@@ -33,7 +33,7 @@ async def test_what_a_caller_creates_belongs_to_it():
     assert await owners.owned("response", "resp_1") is None
     await owners.forget("response", "resp_1")
     odd = "resp/odd#id?\n"
-    await owners.claim("response", odd, Owned("alice-id"))
+    await owners.own("response", odd, Owned("alice-id"))
     assert (await owners.owned("response", odd)) is not None
 
 
@@ -41,10 +41,10 @@ def test_an_owner_is_its_caller_by_id_or_a_row_before_ids_by_name():
     alice = Caller(name="alice", id="alice-id", created_at=datetime.now(UTC))
     again = Caller(name="alice", id="alice-new", created_at=datetime.now(UTC))
     assert Owned("alice-id").by(alice) and not Owned("alice-id").by(again)
-    old = Owned.of({"caller": "alice"})  # a row claimed before ids
+    old = Owned.of({"caller": "alice"})  # a row written before ids
     assert old is not None and old.by(alice) and old.by(again)
     assert not old.by(Caller(name="bob", id="alice-id", created_at=datetime.now(UTC)))
-    with pytest.raises(ValueError, match="caller_id"):  # a charge mark without a claim names nobody
+    with pytest.raises(ValueError, match="caller_id"):  # a charge mark without an owner names nobody
         Owned.of({"context": 5})
 
 
@@ -64,28 +64,28 @@ def test_an_owner_row_reads_as_the_previous_version_wrote_it_and_writes_what_it_
 async def test_a_background_response_is_charged_once_across_instances():
     data = MemoryData()
     owners = [Owners(MemoryStore(data)), Owners(MemoryStore(data))]
-    await owners[0].claim("response", "resp_bg", Owned("alice-id", reserved=500, reserved_spend=7, reserved_at=10.0))
+    await owners[0].own("response", "resp_bg", Owned("alice-id", reserved=500, reserved_spend=7, reserved_at=10.0))
     results = await asyncio.gather(*(owners[i % 2].first_charge("response", "resp_bg") for i in range(20)))
     assert results.count(True) == 1
     assert await owners[1].first_charge("response", "resp_bg") is False
     owned = await owners[0].owned("response", "resp_bg")
     assert owned is not None and (owned.caller_id, owned.reserved, owned.reserved_spend) == ("alice-id", 500, 7)
     # Charged by the request that made it: never charged again when seen.
-    await owners[0].claim("response", "resp_done", Owned("alice-id", charged=True))
+    await owners[0].own("response", "resp_done", Owned("alice-id", charged=True))
     assert await owners[1].first_charge("response", "resp_done") is False
-    # Never claimed (made before callers were on): the first mark wins.
+    # Never owned (made before callers were on): the first mark wins.
     assert [await owners[0].first_charge("response", "resp_old") for _ in range(2)] == [True, False]
 
 
-@pytest.mark.parametrize("claimed", [True, False])
-async def test_a_first_charge_whose_answer_was_lost_is_still_the_first(claimed):
+@pytest.mark.parametrize("owned", [True, False])
+async def test_a_first_charge_whose_answer_was_lost_is_still_the_first(owned):
     """The mark lands but its answer is lost: the caller that made it must still learn it is the
     one that charges (else nobody ever does), and nobody else may."""
     data = MemoryData()
     store = MemoryStore(data)
     owners, other = Owners(store), Owners(MemoryStore(data))
-    if claimed:
-        await owners.claim("response", "resp_bg", Owned("alice-id"))
+    if owned:
+        await owners.own("response", "resp_bg", Owned("alice-id"))
     store.inject(Fault("lose_answer", frozenset({"merge", "insert"}), table=RESPONSES_TABLE))
     assert await owners.first_charge("response", "resp_bg") is True
     assert await other.first_charge("response", "resp_bg") is False
@@ -98,7 +98,7 @@ async def test_a_store_that_fails_raises_the_stores_error():
     store.inject(Fault("unavailable", times=3))
     for call in (
         owners.owned("response", "r"),
-        owners.claim("response", "r", Owned("a")),
+        owners.own("response", "r", Owned("a")),
         owners.first_charge("response", "r"),
     ):
         with pytest.raises(StoreError):
@@ -110,8 +110,8 @@ async def test_the_sweep_deletes_rows_past_their_lifetime():
     store = MemoryStore(clock=StoreClock(monotonic=lambda: elapsed[0]))
     owners = Owners(store)
     now = store.clock.now()
-    await owners.claim("response", "older", Owned("a"))
+    await owners.own("response", "older", Owned("a"))
     elapsed[0] = 1000.0
-    await owners.claim("response", "newer", Owned("a"))
+    await owners.own("response", "newer", Owned("a"))
     assert await owners.sweep(now + RESPONSE_LIFETIME + 100) == 1
     assert await owners.owned("response", "older") is None and await owners.owned("response", "newer") is not None
