@@ -385,7 +385,7 @@ class Accounting:
     async def _correct(self, key: str, charge: Charge, wants: list[Want], at: float) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
-        journal's settled entry ``key``, once this instance has its entry in each budget row."""
+        journal's settled entry ``key``, once this instance has its holding in each budget row."""
         adjusted = self.counters.adjust(wants, at)
         await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}

@@ -1,16 +1,16 @@
 """A limit's counter row in ``chatstreamLimits``, as stored: PartitionKey the caller's or team's
 ``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>`` or
 ``tpm@<model>``; ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken`` (what of
-that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
+that window is out: spent, or held by instances) and ``holds``: each instance's ``Holding``,
 ``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
 after their next write). A row whose window is older than now counts as empty: rows are reused, never
 piled up. Everything reads and writes it through this module.
 
-**What a later version may add.** A ``holds`` item that is not an entry of that form (``op:x=...``,
+**What a later version may add.** A ``holds`` item that is not a holding of that form (``op:x=...``,
 ``x=1/2/3/4/5``) and any other column (a str, int, float or bool, as the store writes them) are
 another version's: every write of the row keeps them verbatim, whatever the window (a new window's
 first write too), and this version never counts them in ``taken`` or takes them for an instance's
-share; their writer owns their lifetime. So an item a later version adds must not parse as an entry."""
+share; their writer owns their lifetime. So an item a later version adds must not parse as a holding."""
 
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def newer(a: str | None, b: str | None) -> bool:
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One instance's share of a counter row: what it holds, the last charge of it applied, its last
-    exchange's number, and of ``held`` what it keeps idle for a next request (its hold share)."""
+class Holding:
+    """One instance's part of a counter row: what it holds, the last charge of it applied, its last
+    exchange's number, and of ``held`` what it keeps idle for a next request (its spare)."""
 
     held: int = 0
     applied: int = 0
@@ -90,27 +90,27 @@ class Entry:
     idle: int = 0
 
 
-def _entry(item: str) -> tuple[str, Entry] | None:
+def _holding(item: str) -> tuple[str, Holding] | None:
     name, _, values = item.partition("=")
     parts = values.split("/")
     if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
-        return name, Entry(*(int(p) for p in parts))
+        return name, Holding(*(int(p) for p in parts))
     return None
 
 
-def _split_holds(text: str | None) -> tuple[dict[str, Entry], tuple[str, ...]]:
-    """The entries of a ``holds`` text, and the items that are not (a later version's), each item parsed once."""
-    entries: dict[str, Entry] = {}
+def _split_holds(text: str | None) -> tuple[dict[str, Holding], tuple[str, ...]]:
+    """The holdings of a ``holds`` text, and the items that are not (a later version's), each item parsed once."""
+    holdings: dict[str, Holding] = {}
     foreign: list[str] = []
     for item in (text or "").split():
-        if (entry := _entry(item)) is None:
+        if (holding := _holding(item)) is None:
             foreign.append(item)
         else:
-            entries[entry[0]] = entry[1]
-    return entries, tuple(foreign)
+            holdings[holding[0]] = holding[1]
+    return holdings, tuple(foreign)
 
 
-def parse_holds(text: str | None) -> dict[str, Entry]:
+def parse_holds(text: str | None) -> dict[str, Holding]:
     return _split_holds(text)[0]
 
 
@@ -121,7 +121,7 @@ class CounterRow:
     etag: str | None = None
     window: str | None = None
     taken: int = 0
-    holds: Mapping[str, Entry] = field(default_factory=dict)
+    holds: Mapping[str, Holding] = field(default_factory=dict)
     foreign: tuple[str, ...] = ()  # a later version's holds items (module docstring), kept verbatim
     columns: Mapping[str, Any] = field(default_factory=dict)  # ...and its columns
 
@@ -149,14 +149,14 @@ async def read(store: Store, partition: str, key: str, bound: float) -> CounterR
 async def write(store: Store, partition: str, key: str, row: CounterRow, bound: float) -> CounterRow | None:
     """Write ``row`` conditioned on its ETag, the row's it was made on (None: an insert): the row as
     written, or None when the condition failed (the row changed, or was inserted or deleted, since)."""
-    entries = [f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(row.holds.items())]
+    holdings = [f"{name}={h.held}/{h.applied}/{h.exchange}/{h.idle}" for name, h in sorted(row.holds.items())]
     entity = {
         **row.columns,
         "PartitionKey": partition,
         "RowKey": key,
         "window": row.window,
         "taken": row.taken,
-        "holds": " ".join([*entries, *row.foreign]),
+        "holds": " ".join([*holdings, *row.foreign]),
     }
     try:
         if row.etag is None:

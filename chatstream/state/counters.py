@@ -3,14 +3,14 @@
 overall and per model.
 
 **The model.** A limit is one counter row per window (counter_row.py): ``taken``, what of the
-window is out, equals what its instances hold (their entries' ``held``) plus what was spent. An
+window is out, equals what its instances hold (their holdings' ``held``) plus what was spent. An
 instance holds a share so as to serve reservations without a store call (its ``Lease``: a local
 balance), and changes the row by one kind of write only, an *exchange*: one ETag-conditional write
-of its own entry and ``taken`` that takes from the row what waiting reservations need (granting
+of its own holding and ``taken`` that takes from the row what waiting reservations need (granting
 those that fit under the limit, in order: a large one does not block smaller ones behind it), gives
 back what came back, and moves what was spent from held to spent (a budget's charges in order: the
-entry's ``applied`` is the last in). ONE exchange per counter and instance is in flight; what comes
-meanwhile waits for the next. A dead instance's entry in a budget row is taken out by its recovery
+holding's ``applied`` is the last in). ONE exchange per counter and instance is in flight; what comes
+meanwhile waits for the next. A dead instance's holding in a budget row is taken out by its recovery
 (journal.py); minute windows end.
 
 **A lone request's spare.** A lone request takes one more request's worth for the next one, kept
@@ -25,7 +25,7 @@ pattern of timeouts the store has.
 
 **What a recovery needs.** This instance's journal lists a budget counter before any of it is held
 here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
-(``Reservation.confirm``), in the order charges were made; the entry stays while a charge is not in
+(``Reservation.confirm``), in the order charges were made; the holding stays while a charge is not in
 yet, or while the journal knows a lost part (``Counters.keep``).
 
 Admission is exact per window, refused on a fresh read; a spent charge may take a row past its
@@ -47,7 +47,7 @@ from .counter_row import (
     MAX_ATTEMPTS,
     CounterKey,
     CounterRow,
-    Entry,
+    Holding,
     Period,
     newer,
     seconds_to_next_minute,
@@ -115,7 +115,7 @@ class Part:
 
 class Lease:
     """One counter as this instance holds it (module docstring). Local books, in the counter's window:
-    ``held == balance + sum(parts' needs) + sum(staged)``, where ``held`` is this instance's entry in
+    ``held == balance + sum(parts' needs) + sum(staged)``, where ``held`` is this instance's holding in
     the row as last written. A charge past the balance leaves it below 0: the next exchange takes the
     rest from the row."""
 
@@ -127,13 +127,13 @@ class Lease:
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
-        self.in_row = False  # this instance's entry is in the row, as last written here (gone: taken over)
+        self.in_row = False  # this instance's holding is in the row, as last written here (gone: taken over)
         self.balance = 0
         self.staged: deque[_Staged] = deque()
         self.seq = 0  # the last charge's number
         self.applied = 0  # the last charge in the row
         self.exchange = 0
-        self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
+        self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the holding stays
         self.waiters: deque[Part] = deque()  # parts the next exchange answers
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
@@ -273,7 +273,7 @@ class Lease:
         )
 
     def _lingers(self) -> bool:
-        """Whether this instance's entry is in a budget row only for lost parts that let go since."""
+        """Whether this instance's holding is in a budget row only for lost parts that let go since."""
         return self.in_row and self.period != "minute" and not (self.kept or self.held or self.staged)
 
     async def _run(self) -> None:
@@ -341,7 +341,7 @@ class Lease:
             waiters = self._pending()
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
-                # row has our entry, so a takeover of this instance finds it.
+                # row has our holding, so a takeover of this instance finds it.
                 await counters.journal.list_counter(self.key, self.in_use)
                 waiters = self._pending()
             room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
@@ -365,11 +365,11 @@ class Lease:
             if delta == 0 and not entering and not chosen and not self._lingers():
                 self._answer(waiters, chosen)
                 return
-            self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
+            self.exchange += 1  # this write's number, in the holding (the same if it is sent again)
             held = self.held + delta - spent
             kept = self.kept and counters.instance in holds  # a lost part's raise may enter here (``kept``)
-            if held > 0 or len(self.staged) > len(entering) or kept:  # a charge not in yet: the entry stays
-                holds[counters.instance] = Entry(
+            if held > 0 or len(self.staged) > len(entering) or kept:  # a charge not in yet: the holding stays
+                holds[counters.instance] = Holding(
                     held, entering[-1].seq if entering else self.applied, self.exchange, keep
                 )
             else:
@@ -387,7 +387,7 @@ class Lease:
         raise StoreError("the counter kept changing under this instance")
 
     async def _taken_over(self) -> None:
-        """This instance's entry left the row (holding 0 too: a charge not in yet): another instance
+        """This instance's holding left the row (0 too: a charge not in yet): another instance
         took this one over (it was too slow to beat) and settled it from its journal. The books start
         again, with the charges no sealed journal listed (the taker did not apply them: once the
         journal has met the seal, those of a journal before its own)."""
@@ -399,11 +399,11 @@ class Lease:
 
     def _landed(self, written: _Written, seen: CounterRow) -> bool:
         """Whether ``written``, whose answer was lost, landed, by the row read since (it changed):
-        this instance's entry says (each write carries the next exchange number)."""
+        this instance's holding says (each write carries the next exchange number)."""
         mine, wrote = seen.holds.get(self.counters.instance), written.row.holds.get(self.counters.instance)
         if seen.window != written.row.window:
             return False
-        if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
+        if wrote is None:  # it took the holding out: gone means it landed, unless a takeover took it
             return mine is None and not self.counters.instances.fenced.is_set()
         return mine is not None and mine.exchange >= wrote.exchange
 
@@ -492,7 +492,7 @@ class Reservation:
         return {charge.lease.key: charge.seq for charge in self.charges}
 
     async def entered(self, within: float) -> bool:
-        """Wait until each budget counter's row has this instance's entry (``Lease.in_row``; a
+        """Wait until each budget counter's row has this instance's holding (``Lease.in_row``; a
         correction where it held nothing: its first exchange) or the charge in, at most ``within`` seconds."""
         return await _until(
             lambda: all(c.lease.in_row or c not in c.lease.staged for c in self.charges),
@@ -509,7 +509,7 @@ class Reservation:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
         taken out first (segments whose ledger row another instance wrote and counted). All of it
         less (a request a takeover charged): its charges let go, whichever books they were staged on
-        (left unconfirmed, one would keep this instance's entry in the row until the window ended)."""
+        (left unconfirmed, one would keep this instance's holding in the row until the window ended)."""
         for charge in self.charges:
             charge.lease.confirm(charge, (less or {}).get(charge.lease.key, 0))
 
@@ -541,7 +541,7 @@ class Counters:
         clock: Callable[[], float] | None = None,
     ):
         self.store = store
-        self.instances = instances  # who holds (its id: the row's entry), and whether it was fenced
+        self.instances = instances  # who holds (its id: the row's holding), and whether it was fenced
         self.journal = journal
         self.clock = clock or store.clock.now
         self.closed = False
@@ -640,8 +640,8 @@ class Counters:
 
     def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
         """A lost part this instance's journal knows of, whose raise a takeover of this instance would
-        count in the budget rows ``keys``: this instance's entry in each stays while it does, holding
-        nothing perhaps (a takeover counts a dead instance's charges only where it has an entry:
+        count in the budget rows ``keys``: this instance's holding in each stays while it does, holding
+        nothing perhaps (a takeover counts a dead instance's charges only where it has a holding:
         journal.py). The function returned lets go (once)."""
         leases = [lease for key in keys if (lease := self._leases.get(key)) is not None]
         for lease in leases:

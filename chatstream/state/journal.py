@@ -9,8 +9,8 @@ instance holds capacity of (listed before it takes any: counters.py). A request 
 upstream call goes out (``listed``), so whatever an upstream was asked for is in a journal.
 
 A charge is listed, then its ledger row is written (ledger.py), then it enters the budget counters'
-rows (counters.py), then it leaves the journal: a row holds this instance's charges up to its entry's
-``applied`` number, and a row without its entry owes nothing (a correction where it held nothing is
+rows (counters.py), then it leaves the journal: a row holds this instance's charges up to its holding's
+``applied`` number, and a row without its holding owes nothing (a correction where it held nothing is
 listed once it has one: accounting._correct). Not recovered: requests admitted while the journal
 could not be written (a store outage: listed once it is back), and charges made while the store could
 not be written at all, by an instance that then died.
@@ -27,9 +27,9 @@ done again by the next duty holder, and two at once charge everything once.
    its checkpoint, or to what its producer's part of the stream's log holds if more (``told``).
    Only what the raise adds is counted, and the row records the raise, so a recovery run again,
    or twice at once, counts it once (a taker counts its own raises).
-3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
+3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's holding goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
-   charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
+   charges after the holding's ``applied`` number, its open requests at their checkpoint), if of the
    row's window (its ledger day's): a charge of a window that is over enters no row. Minute windows
    end by themselves.
 4. **Delete** the journal; the duty holder then deletes the dead instance's row.
@@ -425,7 +425,7 @@ class Journal:
         self.number += 1
 
     async def met_seal(self) -> int | None:
-        """A budget row lost this instance's entry (counters.py): this journal's ``number`` once a write
+        """A budget row lost this instance's holding (counters.py): this journal's ``number`` once a write
         tells whether it was sealed (``_taken_over``); None if it could not be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())

@@ -325,8 +325,8 @@ class _LandsLate(MemoryStore):
 async def test_a_lost_write_that_lands_as_it_is_sent_again_is_found_landed_not_counted_twice():
     """A write whose answer was lost, the row unchanged when read: the same write goes again and
     its condition fails, because the first one landed meanwhile. That failure says nothing of the
-    first: the row is read again and the entry decides (on c769786 the give-back and the charge it
-    carried were taken for not landed, the entry for taken over, and the charge applied twice)."""
+    first: the row is read again and the holding decides (on c769786 the give-back and the charge it
+    carried were taken for not landed, the holding for taken over, and the charge applied twice)."""
     data = MemoryData()
     store = _LandsLate(data)
     store.late = lambda: None  # (the first replace goes through)
@@ -346,7 +346,7 @@ async def test_a_lost_write_that_lands_as_it_is_sent_again_is_found_landed_not_c
 
 async def test_an_entry_kept_for_a_lost_part_leaves_the_row_once_let_go_though_that_exchange_failed():
     """``Counters.keep`` holds a's entry in a budget row (holding nothing) while its journal knows a
-    lost part; let go, an exchange takes the entry out: after one that failed too (b changed the row
+    lost part; let go, an exchange takes the holding out: after one that failed too (b changed the row
     meanwhile, and a's read of it failed)."""
     data = MemoryData()
     a, b = counters(data, "a"), counters(data, "b")
@@ -465,8 +465,8 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
 @pytest.mark.parametrize("need", [-150, 150])
 async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
     """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
-    the row: its first exchange puts this instance's entry in the row (``Reservation.entered``: then it
-    may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
+    the row: its first exchange puts this instance's holding in the row (``Reservation.entered``: then it
+    may be journaled), the holding stays until the correction is confirmed and in (held 0 or below, as
     older versions read it too), and then goes."""
     data = MemoryData()
     a, b = counters(data, "a"), counters(data, "b")
@@ -559,7 +559,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     """a holds r0's reservation in its caller's budget row, and a give-back of exactly as much (a
     background response's usage seen, below what it reserved) waits for its ledger row: a's entry
     stays in the row, holding 0. a is only slow: b takes it over (the give-back applied, r0 charged
-    at its checkpoint). a's next exchange (r0's settle) must see that its entry went, as it does when
+    at its checkpoint). a's next exchange (r0's settle) must see that its holding went, as it does when
     it held more than 0: before, it gave r0's reservation back a second time, the row below the
     ledger by as much."""
     data, a, acc_a, b, caller = await _a_holding_a_background_response()
@@ -590,7 +590,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
 async def test_a_per_minute_correction_where_nothing_is_held_enters_the_row():
     """A correction of tokens per minute (a lost part charged after the fact) on an instance that
     holds none of the row: it enters the row. Before, its books below 0 were taken for a takeover of
-    this instance (an entry gone while it held): dropped, with a warning."""
+    this instance (a holding gone while it held): dropped, with a warning."""
     data = MemoryData()
     a, b = counters(data, "a"), counters(data, "b")
     first = await a.reserve([want("tpm", 1000, 100)])
@@ -680,7 +680,7 @@ def _kept_foreign(found: dict) -> bool:
 async def test_a_later_versions_holds_items_and_columns_survive_every_write_of_the_row():
     """Step 1 of a two-deploy change (counter_row.py): holds items this version does not parse and
     columns it does not know are kept verbatim by an exchange, by the first write of a new window and
-    by a recovery taking a dead instance's entry out, and never counted. Before, each write dropped them."""
+    by a recovery taking a dead instance's holding out, and never counted. Before, each write dropped them."""
     data = MemoryData()
     clock = Clock()
     c = counters(data, "a", clock)

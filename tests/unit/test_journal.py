@@ -658,7 +658,7 @@ async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_i
 async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once_it_raised_the_part():
     """As above, b alive: while its journal knows the lost part, b's entry stays in each budget row
     it would count in (holding nothing once the continuation let go: ``Counters.keep``); b raises
-    the part itself, and its entry leaves the rows; every budget row exactly the ledger."""
+    the part itself, and its holding leaves the rows; every budget row exactly the ledger."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
@@ -746,8 +746,8 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
 async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_request_ends_charges_it_once(first, caplog):
     """a is only slow: b takes it over with r0 and r1 open (both charged as lost at their checkpoints).
     a learns of it from its journal (a write meets the seal) and from its counters (an exchange finds
-    its entry gone: r0's settle), in either order, and only then does r1 end: r1 is b's, charged once
-    (the takeover's row); a's counters neither charge it again nor keep an entry for it in a row."""
+    its holding gone: r0's settle), in either order, and only then does r1 end: r1 is b's, charged once
+    (the takeover's row); a's counters neither charge it again nor keep a holding for it in a row."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
     team = (await b.registry.get(Team, "t")).limits_partition
@@ -1223,7 +1223,7 @@ async def test_a_correction_by_an_instance_that_never_held_its_budgets_is_applie
     is journaled, and B dies before it reaches the rows, or after, its journal still listing it
     (its journal writes fail from then on). The takeover applies it exactly once; two at once
     (``at_once``), or a second one after, add nothing. Before, it was lost: a takeover gave back
-    only in rows where the dead instance had an entry (a row 908 tokens above the ledger)."""
+    only in rows where the dead instance had a holding (a row 908 tokens above the ledger)."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
