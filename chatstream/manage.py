@@ -29,7 +29,6 @@ from .http import NO_STORE, read_json, validate_object, with_request_id
 from .state import counter_row
 from .state.callers import (
     NAME_PATTERN,
-    PICO,
     Caller,
     CallerPatch,
     CallerSpec,
@@ -37,13 +36,12 @@ from .state.callers import (
     Team,
     TeamPatch,
     TeamSpec,
-    iso,
-    usd,
 )
 from .state.ledger import MAX_USAGE_DAYS, ZEROS
 from .state.port import Conflict, Invalid, Missing, Unreadable
-from .state.prices import Price, PriceSpec
+from .state.prices import PICO, Price, PriceSpec, usd
 from .state.shared import SharedState
+from .state.stored import iso
 
 log = logging.getLogger("chatstream")
 

@@ -12,8 +12,9 @@ from ..errors import ApiError, ErrorKind, log_safe
 from ..pipeline import CallRequest
 from ..record import StreamRecord
 from ..state.accounting import Accounting, Admission
-from ..state.callers import Caller, usd
+from ..state.callers import Caller
 from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable, Unknown, Unreadable
+from ..state.prices import usd
 from .usage import admission_request
 
 _LIMIT_NAME = {

@@ -3,20 +3,18 @@ when it is created or rotated; the store keeps only the key's SHA-256), its team
 all of its callers together), and the limits a request must fit, all of its caller's and its team's
 or nothing (counters.py); and what an admin may say about them: the typed requests (``CallerSpec``,
 ``CallerPatch``, ``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands
-the registry (registry.py), which keeps them. Here too: ``Stored``, the row codec of callers, teams,
-prices and owner rows, and pico-USD (``PICO``, ``usd``); how money is kept exactly: prices.py."""
+the registry (registry.py), which keeps them (as rows: stored.py; money in pico-USD: prices.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import field, fields
-from datetime import UTC, datetime
+from dataclasses import field
+from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -26,14 +24,15 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    ValidationError,
     field_validator,
 )
 from pydantic.dataclasses import dataclass
 
+from .prices import PICO, usd_amount
+from .stored import Stored
+
 KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")  # csk- and 256 random bits, base64url (new_key)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PICO = 10**12  # pico-dollars per USD
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 # The bounds of a caller's or a team's settings (docs/callers.md, "Limits").
@@ -59,11 +58,6 @@ def new_key() -> str:
     return "csk-" + secrets.token_urlsafe(32)
 
 
-def usd(pico: int | None) -> float | None:
-    """Pico-dollars as USD for an answer (exact: budgets and prices have at most 6 decimals)."""
-    return None if pico is None else float(Decimal(pico) / PICO)
-
-
 class ModelLimit(BaseModel):
     """A per-model limit, as an admin gives it and as a caller or team keeps it."""
 
@@ -71,56 +65,6 @@ class ModelLimit(BaseModel):
 
     tokens_per_minute: PositiveTokens | None = None
     requests_per_minute: PositiveRequests | None = None
-
-
-@dataclass(frozen=True, config=ConfigDict(strict=True))
-class Stored:
-    """A caller, team, price or owner row (owners.py; pydantic checks its types, strictly, whenever
-    one is made), as its row keeps its properties (``entity``) and back (``of``; a property left out
-    or empty: the field's default; a whole-number Double, a number typed in by hand, as its integer):
-    times as ISO text, the model list, the per-model limits and a price (an owner row's) as JSON."""
-
-    def entity(self) -> dict[str, Any]:
-        row: dict[str, Any] = {}
-        for f in fields(self):
-            item = getattr(self, f.name)
-            if isinstance(item, datetime):
-                item = iso(item)
-            elif f.name == "models" and item is not None:
-                item = json.dumps(list(item))
-            elif f.name == "model_limits":
-                item = json.dumps({m: limit.model_dump() for m, limit in item.items()}) if item else None
-            elif isinstance(item, Stored):
-                item = json.dumps(item.entity())
-            row[f.name] = item
-        return row
-
-    @classmethod
-    def of(cls, row: Mapping[str, Any]) -> Self:
-        """What ``row`` keeps; ValueError naming the field and why (never its value) when it holds
-        none: a field missing, not JSON, or of another type (a hand edit, a bad write: registry.py)."""
-        values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
-        for name, item in values.items():
-            try:
-                if name.endswith("_at") and isinstance(item, str):
-                    values[name] = datetime.fromisoformat(item)
-                elif name in ("models", "model_limits"):
-                    item = json.loads(item)
-                    values[name] = tuple(item) if name == "models" and isinstance(item, list) else item
-                elif isinstance(item, float) and item.is_integer():
-                    values[name] = int(item)
-            except json.JSONDecodeError:
-                raise ValueError(f"{name}: not JSON") from None
-            except (TypeError, ValueError):
-                raise ValueError(f"{name}: not of its type") from None
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            errors = exc.errors()
-            wrong = [e for e in errors if e["type"] != "missing"]
-            if wrong:
-                raise ValueError(f"{wrong[0]['loc'][0]}: {wrong[0]['msg'][:120]}") from None
-            raise ValueError(f"{', '.join(str(e['loc'][0]) for e in errors)}: missing") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,26 +116,7 @@ def limits_partition(scope: str, name: str, owner_id: str) -> str:
     return f"team:{name}|{owner_id}" if scope == "team" else f"{name}|{owner_id}"
 
 
-def iso(value: datetime | None) -> str | None:
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None
-
-
 # --- what an admin may say (validated) ----------------------------------------------------------
-
-
-def usd_amount(value: object, maximum: Decimal) -> Decimal:
-    """A USD amount (a JSON number) as a decimal; ValueError why it is not one."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError("must be a number")
-    amount = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
-    if not amount.is_finite() or amount < 0:
-        raise ValueError("must be a non-negative number")
-    if amount > maximum:
-        raise ValueError(f"must be at most {maximum}")
-    exponent = amount.normalize().as_tuple().exponent
-    if isinstance(exponent, int) and exponent < -6:
-        raise ValueError("has more than 6 decimal places")
-    return amount
 
 
 def model_name(model: str) -> bool:

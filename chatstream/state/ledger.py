@@ -18,9 +18,8 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any, Self
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from .callers import usd
 from .port import Ended, Used
-from .prices import Price
+from .prices import Price, usd
 from .store import USAGE_TABLE, Op, Store, Where, key_part
 
 log = logging.getLogger("chatstream")

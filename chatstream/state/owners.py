@@ -20,9 +20,10 @@ from typing import Any, Self
 from pydantic.dataclasses import dataclass
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from .callers import Caller, Stored
+from .callers import Caller
 from .prices import Price
 from .store import RESPONSES_TABLE, Store, Where, key_part
+from .stored import Stored
 
 # How long an owner row is kept: OpenAI keeps a stored response 30 days.
 RESPONSE_LIFETIME = 30 * 86400.0

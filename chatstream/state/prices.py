@@ -17,11 +17,32 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
-from .callers import PICO, Stored, usd_amount
 from .port import Unreadable
+from .stored import Stored
 
+PICO = 10**12  # pico-dollars per USD
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
+
+
+def usd(pico: int | None) -> float | None:
+    """Pico-dollars as USD for an answer (exact: budgets and prices have at most 6 decimals)."""
+    return None if pico is None else float(Decimal(pico) / PICO)
+
+
+def usd_amount(value: object, maximum: Decimal) -> Decimal:
+    """A USD amount (a JSON number) as a decimal; ValueError why it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    amount = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+    if not amount.is_finite() or amount < 0:
+        raise ValueError("must be a non-negative number")
+    if amount > maximum:
+        raise ValueError(f"must be at most {maximum}")
+    exponent = amount.normalize().as_tuple().exponent
+    if isinstance(exponent, int) and exponent < -6:
+        raise ValueError("has more than 6 decimal places")
+    return amount
 
 
 @dataclass(frozen=True, kw_only=True)
