@@ -1,8 +1,7 @@
 """This process as one instance of the app in the shared store, and the others as it sees them: who
 is alive, who died, and who does the work one instance does for all.
 
-- **Alive.** While this instance holds anything another may have to take over (a stream it
-  produces, capacity of a caller's limits, charges not yet written), it beats: its row (table
+- **Alive.** From its first request until it stops, this instance beats: its row (table
   ``chatstreamStreams``, partition ``instances``) rewritten every ``beat_seconds`` with ``at``, the
   store's time (``StoreClock``: every instance reads the same clock). A row older than
   ``lease_seconds`` is a dead instance's.
@@ -48,7 +47,6 @@ def new_instance_id() -> str:
 class InstanceTiming:
     beat_seconds: float = 1.5
     lease_seconds: float = 4.5  # no beat for this long (by the store's clock): dead
-    linger_seconds: float = 10.0  # beats go on this long after the last need (a next one needs no first beat)
     duty_seconds: float = 5.0  # the duty's tick: the holder's work, the others' look at the duty row
     fresh_seconds: float = 0.5  # one read of another instance's row serves every question for this long
 
@@ -70,8 +68,6 @@ class Instances:
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
         self.fenced = asyncio.Event()  # set when an incarnation of this process was declared dead
-        self._needs = 0
-        self._idle_since: float | None = None
         self._etag: str | None = None
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
@@ -94,36 +90,22 @@ class Instances:
 
     # --- being alive ---------------------------------------------------------------------------
 
-    def need(self) -> None:
-        """Something here needs this instance to be seen alive: beat (from now, if not yet)."""
-        self._needs += 1
-        self._idle_since = None
-        self._start()
-
-    def done(self) -> None:
-        self._needs = max(0, self._needs - 1)
-        if self._needs == 0:
-            self._idle_since = self.store.clock.now()
-
     async def first_beat(self) -> None:
         """Wait (at most 2 s) until this instance's row is in the store: nobody elsewhere can see
         something of ours before they can see we are alive."""
-        self._start()
+        self.serve()
         if self._first is not None:
             await asyncio.wait([self._first], timeout=2.0)
 
     def serve(self) -> None:
-        """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
-        if not self._closed and (self._duty is None or self._duty.done()):
-            self._duty = asyncio.ensure_future(self._duty_loop())
-
-    def _start(self) -> None:
+        """This instance is serving (from its first request on): it beats, and takes its part in the duty."""
         if self._closed:
             return
         if self._beating is None or self._beating.done():
             self._first = asyncio.get_running_loop().create_future()
             self._beating = asyncio.ensure_future(self._beat_loop())
-        self.serve()
+        if self._duty is None or self._duty.done():
+            self._duty = asyncio.ensure_future(self._duty_loop())
 
     async def _beat_loop(self) -> None:
         timing = self.timing
@@ -135,10 +117,6 @@ class Instances:
                     self._first.set_result(None)
             # A missed beat reads as death elsewhere: try again soon.
             await asyncio.sleep(timing.beat_seconds if answered else min(timing.beat_seconds, 0.25))
-            idle = self._idle_since
-            if self._needs == 0 and idle is not None and self.store.clock.now() - idle > timing.linger_seconds:
-                await self._leave()
-                return
 
     async def _beat_once(self) -> None:
         lease = self.timing.lease_seconds

@@ -193,8 +193,7 @@ class Journal:
     def __init__(self, store: Store, ledger: Ledger, instances: Instances):
         self.store = store
         self.ledger = ledger
-        self.instances = instances  # while it holds something, this instance must be seen alive
-        self._busy = False
+        self.instances = instances
         self.interval = JOURNAL_SECONDS
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
@@ -270,9 +269,7 @@ class Journal:
         return self._next
 
     def changed(self) -> None:
-        if not self._busy and (self.entries or self._needed_at):
-            self._busy = True
-            self.instances.need()
+        self.instances.serve()  # (beating: what the journal lists is this instance's while it is seen alive)
         self._dirty.set()
         if (self._writer is None or self._writer.done()) and not self._closed:
             self._writer = asyncio.ensure_future(self._write_loop())
@@ -346,9 +343,6 @@ class Journal:
                 with contextlib.suppress(StoreError):
                     await self.store.delete_blob(name)
                 self._etag = None
-            if self._busy:
-                self._busy = False
-                self.instances.done()
             return
         settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
         in_doc = list(self.entries.values())

@@ -40,7 +40,7 @@ def event(payload: Any, name: bytes | None = None) -> bytes:
 
 
 # Leases of a fraction of a second, so that deaths show within one: the same logic as 4.5 s.
-LIFE = InstanceTiming(beat_seconds=0.05, lease_seconds=0.4, linger_seconds=0.5, duty_seconds=0.05, fresh_seconds=0.0)
+LIFE = InstanceTiming(beat_seconds=0.05, lease_seconds=0.4, duty_seconds=0.05, fresh_seconds=0.0)
 # The cadences scaled down alike (the defaults' ratios).
 QUICK = {
     "state_seconds": 0.1,

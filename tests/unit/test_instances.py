@@ -16,7 +16,7 @@ from chatstream.state.store import StoreClock
 # leases fire in the order real time gives them.
 pytestmark = pytest.mark.skips_idle_time
 
-FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=0.2, duty_seconds=0.05, fresh_seconds=0.0)
+FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, duty_seconds=0.05, fresh_seconds=0.0)
 
 
 def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST, recover=None, sweeps=()) -> Instances:
@@ -24,10 +24,10 @@ def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST,
     return Instances(MemoryStore(data, clock), timing, recover=recover, sweeps=sweeps)
 
 
-async def test_an_instance_that_needs_it_beats_and_the_others_see_it_alive():
+async def test_a_serving_instance_beats_and_the_others_see_it_alive():
     data = MemoryData()
     a, b = instance(data), instance(data)
-    a.need()
+    a.serve()
     await a.first_beat()
     assert await b.alive(a.id)
     assert not await b.alive("nobody-1-0")
@@ -42,8 +42,8 @@ async def test_a_dead_instance_is_taken_over_once_and_its_row_goes():
     a = instance(data)
     b, c = (instance(data, recover=lambda dead, taker: _note(taken, taker, dead)) for _ in range(2))
     for watcher in (b, c):
-        watcher.need()
-    a.need()
+        watcher.serve()
+    a.serve()
     await a.first_beat()
     a._beating.cancel()  # killed: no more beats, no goodbye
     dead = a.id
@@ -62,8 +62,8 @@ async def test_a_slow_instance_declared_dead_is_fenced_and_goes_on_under_a_new_i
     data = MemoryData()
     taken: list[tuple[str, str]] = []
     a, b = instance(data), instance(data, recover=lambda dead, taker: _note(taken, taker, dead))
-    b.need()
-    a.need()
+    b.serve()
+    a.serve()
     await a.first_beat()
     old = a.id
     a._beating.cancel()  # frozen, as a process stopped by the OS
@@ -73,7 +73,7 @@ async def test_a_slow_instance_declared_dead_is_fenced_and_goes_on_under_a_new_i
         await asyncio.sleep(0.02)
     assert taken == [(b.id, old)] and old not in rows  # taken over, its row gone
     a._beating = None  # it wakes up
-    a.need()
+    a.serve()
     await asyncio.wait_for(a.fenced.wait(), 2)
     fenced = [r for r in caplog.records if r.getMessage().startswith(f"instance {old} was declared dead elsewhere")]
     assert len(fenced) == 1 and a.id != old
@@ -86,8 +86,8 @@ async def test_a_slow_instance_declared_dead_is_fenced_and_goes_on_under_a_new_i
 async def test_clocks_thirty_seconds_apart_agree_on_who_is_alive():
     data = MemoryData()
     ahead, behind = instance(data, skew=30.0), instance(data, skew=-30.0)
-    ahead.need()
-    behind.need()
+    ahead.serve()
+    behind.serve()
     await ahead.first_beat()
     await behind.first_beat()
     await asyncio.sleep(0.2)
@@ -102,7 +102,7 @@ async def test_sweeps_run_on_one_instance_however_many_there_are():
     runs: list[str] = []
     many = [instance(data, sweeps=[(0.0, lambda i=i: _note(runs, i, "sweep"))]) for i in range(6)]
     for x in many:
-        x.need()
+        x.serve()
     await asyncio.sleep(0.6)
     assert runs and len({who for who, _ in runs}) == 1
     reads = data.calls.get("get", 0)
@@ -120,10 +120,10 @@ async def test_a_dead_duty_holder_is_replaced_within_a_lease_and_a_tick_and_take
     soon as the holder's row is past its lease, not after 3 of the duty's ticks, and takes the dead
     holder over. (Here a tick is 1 s and the lease 0.3 s: before, the duty stayed with the dead
     holder for 3 s.)"""
-    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=1.0, fresh_seconds=0)
+    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, duty_seconds=1.0, fresh_seconds=0)
     data = MemoryData()
     a = instance(data, timing=timing)
-    a.need()
+    a.serve()
     await a.first_beat()
     await asyncio.sleep(0.1)  # a's duty tick: it holds the duty
     assert data.tables["chatstreamStreams"]["instances"]["~duty"][0]["holder"] == a.id
@@ -146,7 +146,7 @@ async def test_a_duty_holder_whose_duty_failed_does_it_at_its_next_tick():
     """The duty's work fails once (the store does not answer its query of the instances): the holder
     keeps the duty and does it at its next tick, not 3 ticks later, when a duty row nobody refreshed
     would be free again."""
-    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=1.0, fresh_seconds=0)
+    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, duty_seconds=1.0, fresh_seconds=0)
     data = MemoryData()
     runs: list[tuple[str, str]] = []
     a = instance(data, timing=timing, sweeps=[(0.0, lambda: _note(runs, "a", "sweep"))])

@@ -779,7 +779,7 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
 
 
 async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
-    fast = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=0.05, fresh_seconds=0)
+    fast = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, duty_seconds=0.05, fresh_seconds=0)
     data = account()
     a, acc_a = instance(data, "instance-a", fast)
     b, acc_b = instance(data, "instance-b", fast)
@@ -789,7 +789,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     assert isinstance(r1, Admission)
     r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
-    b.instances.need()  # b is alive too (it holds something, or serves a stream)
+    b.instances.serve()  # b serves too
     await kill(a)
     instances = data.tables[STREAMS_TABLE]["instances"]
     assert "instance-a" in instances
@@ -798,7 +798,6 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     assert not parse_holds(row.get("holds"))
     assert row["taken"] == r1.entry.prompt_tokens + tokens.count_text(MODEL, GENERATED)
     assert ledger_rows(data)[rec1.id]["ended"] == "lost"
-    b.instances.done()
     await b.close()
 
 

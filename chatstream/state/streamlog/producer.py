@@ -393,8 +393,7 @@ class Producer:
     async def run(self) -> None:
         """Store the stream; then return at its end (the log knows it until then: readers here,
         cancels and abandonment still need it when it is not stored any more)."""
-        instances = self._ctx.instances
-        instances.need()
+        self._ctx.instances.serve()  # (seen alive while it produces)
         try:
             if self._blob or await self._create():  # (a continuation's record is the claim's)
                 await self._write_all()
@@ -405,7 +404,6 @@ class Producer:
             self._storing_over.set()
             self._update_fast()
             self._wake()
-            instances.done()
         while self.end is None and not self.moved.is_set():
             await self.changed()
 

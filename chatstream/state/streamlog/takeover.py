@@ -122,44 +122,40 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
     except (ValueError, RecursionError):  # (never stored so)
         log.warning("stream %s: its producer is gone and its request does not parse: it cannot be continued", tag)
         return False
-    ctx.instances.need()  # we produce it from now on: this instance is seen alive first
+    await ctx.instances.first_beat()  # we produce it from now on: this instance is seen alive first
+    won = replace(record, instance=ctx.instances.id, epoch=record.epoch + 1)
     try:
-        await ctx.instances.first_beat()
-        won = replace(record, instance=ctx.instances.id, epoch=record.epoch + 1)
-        try:
-            won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
-        except (Modified, NotFound):
-            return True
-        except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
-            log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-            return False
-        fenced = await _fence(ctx, won, tail, events)
-        if fenced != "fenced":
-            return fenced == "over"
-        stored = split_events(bytes(events))
-        fences = [*tail.fences, (won.epoch, tail.last_id)]
-        stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-        producer = Producer(ctx, won, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received)
-        if won.cancelled:
-            producer.request_stop("cancelled")
-        log.warning(
-            "stream %s: its producer (%s) is gone; taken over here after event %d (epoch %d)",
-            tag,
-            record.instance,
-            tail.last_id,
-            won.epoch,
-        )
-        return Claim(
-            request=params,
-            request_id=won.request_id,
-            events=bytes(events),
-            last_id=tail.last_id,
-            producer=producer,
-            lost_events=producer_events(bytes(events), tail.epoch),
-            past_stored=max(0, producer.stand_in_to - position(tail.last_id)),
-        )
-    finally:
-        ctx.instances.done()  # the producer holds its own need from here on
+        won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
+    except (Modified, NotFound):
+        return True
+    except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
+        log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
+        return False
+    fenced = await _fence(ctx, won, tail, events)
+    if fenced != "fenced":
+        return fenced == "over"
+    stored = split_events(bytes(events))
+    fences = [*tail.fences, (won.epoch, tail.last_id)]
+    stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
+    producer = Producer(ctx, won, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received)
+    if won.cancelled:
+        producer.request_stop("cancelled")
+    log.warning(
+        "stream %s: its producer (%s) is gone; taken over here after event %d (epoch %d)",
+        tag,
+        record.instance,
+        tail.last_id,
+        won.epoch,
+    )
+    return Claim(
+        request=params,
+        request_id=won.request_id,
+        events=bytes(events),
+        last_id=tail.last_id,
+        producer=producer,
+        lost_events=producer_events(bytes(events), tail.epoch),
+        past_stored=max(0, producer.stand_in_to - position(tail.last_id)),
+    )
 
 
 async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> Literal["fenced", "over", "failed"]:
