@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +62,7 @@ class ResumeConfig:
     # producer to store it, or to acknowledge the reader with its last id.
     past_end_wait_seconds: float = 5.0
     max_readers: int = 256  # readers this instance serves at once
-    max_readers_per_stream: int = 16  # readers of one stream, on all instances together (slots in the store)
+    max_readers_per_stream: int = 16  # readers of one stream this instance serves at once
     max_producers: int = 1000
     max_sweep: int = 1000  # rows one sweep deletes at most
 
@@ -77,18 +77,13 @@ class ResumeConfig:
 
     @property
     def read_refresh_seconds(self) -> float:
-        """How often a reader says it is still reading (its inbox row, its slot)."""
+        """How often a reader elsewhere says it is still reading (its inbox row)."""
         return max(0.2, min(5.0, self.abandon_seconds / 3))
 
     @property
     def reader_row_seconds(self) -> float:
         """How long a reader's inbox row outlives its last write (then the sweep takes it)."""
         return min(2 * self.abandon_seconds + 60.0, max(self.ttl_seconds, 3 * self.read_refresh_seconds + 5.0))
-
-    @property
-    def slot_seconds(self) -> float:
-        """A reader's slot is free this long after its last refresh (a reader that died)."""
-        return 3 * self.read_refresh_seconds + 1.0
 
     @property
     def read_fresh_seconds(self) -> float:
@@ -151,7 +146,8 @@ class Context:
         # The producers writing fast and the readers following from the store here: each one's
         # cadence grows with their number.
         self.fast_writers = self.remote_readers = 0
-        self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
+        # The readers this instance serves, by stream (at most max_readers, max_readers_per_stream of one).
+        self.readers: Counter[str] = Counter()
         self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved

@@ -29,8 +29,7 @@ class PastTheEnd(StreamLogError):
 
 
 class TooManyReaders(StreamLogError):
-    """The stream has ``max_readers_per_stream`` readers (on all instances), or this instance serves
-    ``max_readers``."""
+    """This instance serves ``max_readers_per_stream`` readers of the stream, or ``max_readers``."""
 
 
 class TooManyStreams(StreamLogError):

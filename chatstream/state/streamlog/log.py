@@ -138,8 +138,10 @@ class StreamLog:
             raise ValueError("an event id is never negative")
         if self._ctx.closed:
             raise StreamLogUnavailable("the stream log is closed")
-        if self._ctx.readers >= self.config.max_readers:
+        if self._ctx.readers.total() >= self.config.max_readers:
             raise TooManyReaders("too many readers on this instance")
+        if self._ctx.readers[stream_id] >= self.config.max_readers_per_stream:
+            raise TooManyReaders("too many readers of this stream")
         return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
 
     def producing(self, stream_id: str) -> Producer | None:
@@ -208,7 +210,7 @@ class StreamLog:
         """This instance stops (SIGTERM): every reader it serves, and any opened from now on, ends
         with ``stream_moved`` now (``Reader.leaving``), so that its client resumes elsewhere at once."""
         if not self._ctx.leaving.is_set():
-            log.warning("stream log: %d reader(s) here move to another instance", self._ctx.readers)
+            log.warning("stream log: %d reader(s) here move to another instance", self.readers)
         self._ctx.leaving.set()
 
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
@@ -239,7 +241,7 @@ class StreamLog:
     @property
     def readers(self) -> int:
         """The readers this instance serves now."""
-        return self._ctx.readers
+        return self._ctx.readers.total()
 
     @property
     def producers(self) -> int:

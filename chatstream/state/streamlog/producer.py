@@ -125,8 +125,7 @@ class Producer:
         self.resumable = True
         self._large_request = large_request
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
-        self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
-        self._inbox_read = asyncio.Event()
+        self._inline_tried = False  # the end, with no blob yet: its whole log tried in the record (once)
         self._storing_over = asyncio.Event()  # storing finished (stored, given up, or moved)
         self._kick = asyncio.Event()  # wakes the storing
         self._stored = len(self._events)  # events in the blob
@@ -305,13 +304,11 @@ class Producer:
 
     def tick(self, now: float, now_store: float) -> None:
         """Every inbox tick (``now``: when its read began, having delivered what it held): fast
-        writes while a reader elsewhere follows; the end's inbox read; this instance's new id (the
-        storing writes it into the record: ``_repoint``); abandonment; the time cap."""
+        writes while a reader elsewhere follows; this instance's new id (the storing writes it into
+        the record: ``_repoint``); abandonment; the time cap."""
         cfg = self._cfg
         if self._record.instance != self._ctx.instances.id:
             self._kick.set()
-        if self._end_seen_at is not None and now >= self._end_seen_at:
-            self._inbox_read.set()
         self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
         self._update_fast()
         if self.end is not None or self.moved.is_set():
@@ -515,7 +512,7 @@ class Producer:
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self._give_up("the stream has too many blocks")
                 return
-            if self.end is not None and not self._blob and self._end_seen_at is None:
+            if self.end is not None and not self._blob and not self._inline_tried:
                 if await self._end_inline():
                     return
                 continue
@@ -629,22 +626,19 @@ class Producer:
             pass  # again at the next turn
 
     async def _end_inline(self) -> bool:
-        """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
-        is read once more after the end to tell), its whole log goes into the record with the
-        record's end, and no blob is made. False: write the blob as usual."""
-        self._end_seen_at = self._loop.time()  # (tried once)
-        if not (self._following or self._acks):
-            # A reader registered before the end is seen by an inbox read begun after it (its rows are
-            # delivered before the producers tick); one that came later reads this record first.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._inbox_read.wait(), self._cfg.inbox_seconds + 1.0)
+        """The stream ended before its first write: unless a reader elsewhere is known to follow it,
+        its whole log goes into the record with the record's end, and no blob is made (a reader
+        elsewhere the producer has not seen yet reads the record beside the blob: readers.Reader._poll).
+        False: write the blob as usual."""
+        self._inline_tried = True
         attempt = self._compose()  # (ended: its marker is END or LOST, a hand-over's too)
         try:
             text = attempt.block.decode()
         except UnicodeDecodeError:
             return False
-        if self._following or self._acks or attempt.closes is None or not fits_record(text):
-            return False  # (closes None: more than one block)
+        # (An append whose answer was lost may be in a blob a reader reads; closes None: more than one block.)
+        if self._following or self._acks or self._uncertain or attempt.closes is None or not fits_record(text):
+            return False
         ended = await self._write_end(attempt.closes, self._cfg.give_up_seconds, text)
         if isinstance(ended, StoreError):
             self._give_up(f"the store is unavailable ({ended})")

@@ -27,7 +27,7 @@ from .format import (
     record_over,
     started_at,
 )
-from .inbox import Slot
+from .inbox import Registration
 from .producer import Producer
 from .takeover import producer_gone
 
@@ -80,14 +80,13 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 # ~33 ms, not 100), so they stay close behind the producer's writes, not at whatever distance
 # behind them they happened to start (~50 ms on average).
 _LEAD = 0.9
-_SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 
 class Reader:
     """A resumed stream (module docstring): the bytes after event ``after`` to the final event, in
     ``route``'s format; ``tail.cursor`` is the last id the client has. Close it with ``aclose``
-    (Starlette's StreamingResponse does): until then, or its end, it holds a slot (inbox.py) and
-    counts in ``ctx.readers``."""
+    (Starlette's StreamingResponse does): until then, or its end, it counts in ``ctx.readers`` and,
+    while its stream is produced on another instance, is registered in that one's inbox (inbox.py)."""
 
     def __init__(
         self,
@@ -97,7 +96,7 @@ class Reader:
         producing: Callable[[str], Producer | None],  # (``StreamLog.producing``)
         take_over: Callable[[str, int], Awaitable[bool]],  # (``StreamLog.take_over``)
     ):
-        ctx.readers += 1
+        ctx.readers[stream_id] += 1
         self._counted = True  # (until released)
         self._ctx = ctx
         self._cfg = ctx.config
@@ -105,7 +104,7 @@ class Reader:
         self.stream_id = stream_id
         self.route = ""  # (known once opened)
         self.after = after
-        self._slot = Slot(ctx, stream_id)
+        self._registration = Registration(ctx, stream_id)
         self.record: Record | None = None
         self.tail = Tail(after)
         self.over = False  # the reading has handed out its end (its final event, or its own error)
@@ -140,10 +139,12 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        self._slot.release(read_to_end=self.tail.end is not None)
+        self._registration.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
-            self._ctx.readers -= 1
+            self._ctx.readers[self.stream_id] -= 1
+            if not self._ctx.readers[self.stream_id]:
+                del self._ctx.readers[self.stream_id]
 
     def __del__(self) -> None:
         self._release()
@@ -151,8 +152,8 @@ class Reader:
     # -- opening -------------------------------------------------------------------------------
 
     async def opened(self, caller: str | None) -> Reader:
-        """This reader, opened: checked, its slot held, what is stored read (from the producer when it
-        is here, else ``_open_stored``); else released (a store that fails: StreamLogUnavailable)."""
+        """This reader, opened: checked, what is stored read (from the producer when it is here: no
+        store call, else ``_open_stored``); else released (a store that fails: StreamLogUnavailable)."""
         try:
             producer = self._producing(self.stream_id)
             if producer is None:
@@ -164,7 +165,6 @@ class Reader:
             if self.after > producer.last_id and producer.end != LOST and not never_stored:
                 raise PastTheEnd(self.after, producer.last_id)
             self.route = producer.route
-            await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
         except BaseException as exc:
             self._release()
             if isinstance(exc, StoreError):
@@ -173,15 +173,15 @@ class Reader:
         return self
 
     async def _open_stored(self, caller: str | None) -> None:
-        """A stream produced elsewhere (or by nobody any more): its record, then its slot and the
-        stored log at once, then ``after`` checked. A young stream's inbox row is written as the
+        """A stream produced elsewhere (or by nobody any more): its record, then its registration and
+        the stored log at once, then ``after`` checked. A young stream's inbox row is written as the
         record is read, to the instance whose stream a reader here opened last: most often (two
         instances: always) the producer, which then sees the reader one record read sooner."""
-        ctx, slot, stream_id = self._ctx, self._slot, self.stream_id
+        ctx, registration, stream_id = self._ctx, self._registration, self.stream_id
         guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
         record, _ = await asyncio.gather(
             read_record(ctx, stream_id, caller),
-            slot.follow(guess) if guess is not None else asyncio.sleep(0),  # (failed: ``hold`` writes it again)
+            registration.follow(guess) if guess is not None else asyncio.sleep(0),  # (failed: ``open`` again)
             return_exceptions=True,
         )
         if not isinstance(record, Record):
@@ -191,15 +191,15 @@ class Reader:
         if live and record.instance != ctx.instances.id:
             ctx.last_producer = record.instance
         stored = record.log_from(0)  # ended before its first write: the whole log is in the record
-        held, data, _ = await asyncio.gather(
-            slot.hold(record.instance if live else None),
+        registered, data, _ = await asyncio.gather(
+            registration.open(record.instance if live else None),
             ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
             # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
             ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
             return_exceptions=True,
         )
-        if isinstance(held, BaseException) or not isinstance(data, bytes):
-            raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
+        if isinstance(registered, BaseException) or not isinstance(data, bytes):
+            raise registered if isinstance(registered, BaseException) else data  # type: ignore[misc] - one failed
         self._first = self.tail.feed(data)
         if self.after > self.tail.last_id and not self.tail.broken:
             self._first += await self._past_the_end(live)
@@ -215,10 +215,6 @@ class Reader:
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
-                    if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
-                        self.over = True  # as if the store failed: the client asks again (429 while it is full)
-                        yield self._ctx.error_event(self.route, "store_unavailable", _SLOT_LOST)
-                        return
                     yield chunk
             finally:
                 await source.aclose()
@@ -229,7 +225,7 @@ class Reader:
         """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
         producer.attach()
         try:
-            await self._slot.follow(None)  # (a stream taken over here)
+            await self._registration.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.tail.cursor):
                 yield self._broken()
                 return
@@ -277,7 +273,7 @@ class Reader:
                 try:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
-                    await self._slot.follow(self.record.instance if self.record.state == "live" else None)
+                    await self._registration.follow(self.record.instance if self.record.state == "live" else None)
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
                     if out:
@@ -425,7 +421,7 @@ class Reader:
 
         def waiting() -> bool:
             gone = self._gone_at is not None or tail.handover  # no ack comes: the reading takes it over
-            acked = self._slot.id in tail.acks
+            acked = self._registration.id in tail.acks
             return self.after > tail.last_id and not acked and not gone and loop.time() < deadline
 
         read = b""
@@ -433,7 +429,7 @@ class Reader:
             async with contextlib.aclosing(self._from_store(waiting)) as following:
                 async for out in following:
                     read += out
-        acked = tail.acks.get(self._slot.id)
+        acked = tail.acks.get(self._registration.id)
         if not tail.broken and (
             (tail.end == END and self.after > tail.last_id) or (acked is not None and self.after > acked)
         ):
