@@ -327,7 +327,9 @@ class Journal:
     async def _write_once(self) -> None:
         instance = self.instances.id
         name = journal_name(instance)
-        if name != self._name:  # a new incarnation (the old one was taken over): a new journal
+        if name != self._name:  # a new incarnation (the old one was declared dead): a new journal
+            if self._name is not None and self._etag is not None and await self._unsealed(self._name) is None:
+                self._taken_over()  # its taker sealed the old one before a write here met the seal
             self._name, self._etag = name, None
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
@@ -352,12 +354,11 @@ class Journal:
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
-            found = await self.store.get_blob(name)
-            if found is None or json.loads(found[0]).get("sealed_by"):
-                self._taken_over()  # sealed (or taken over and deleted) by another instance
+            if (etag := await self._unsealed(name)) is None:
+                self._taken_over()
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
-            self._etag = await self.store.put(name, data, etag=found[1])
+            self._etag = await self.store.put(name, data, etag=etag)
         self._listed_counters = set(listed)
         for entry in in_doc:
             entry.listed = True
@@ -402,6 +403,12 @@ class Journal:
                 backoff = min(backoff * 2, 10.0)
             else:
                 backoff = self.interval
+
+    async def _unsealed(self, name: str) -> str | None:
+        """The ETag of journal ``name`` if it is there unsealed; None if another instance sealed it
+        (or sealed and deleted it: taken over)."""
+        found = await self.store.get_blob(name)
+        return found[1] if found is not None and not json.loads(found[0]).get("sealed_by") else None
 
     def _taken_over(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
