@@ -171,7 +171,7 @@ class JournalEntry:
 
         return cls(
             doc["id"],
-            Payer.of({"request_id": doc["id"], **doc}),  # (older journals name the request nowhere else)
+            Payer.of(doc),
             doc["model"],
             int(doc.get("prompt") or 0),
             parsed(doc.get("needs")),
@@ -576,11 +576,9 @@ class Recovery:
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 
 
-def _in_window(window: str | None, day: str | None) -> bool:
+def _in_window(window: str | None, day: str) -> bool:
     """Whether a budget row's ``window`` is that of a request started on ``day`` (its ledger day): a
     charge of a window that is over goes into no row (counters.py), not into the next window's."""
-    if not day:
-        return True
     at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
     return window in {window_of(period, at) for period in ("day", "month", "total")}
 
