@@ -20,7 +20,7 @@ row it raised says by how much, a counter entry is taken out once): a takeover t
 done again by the next duty holder, and two at once charge everything once.
 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
-   write it again and learns it was taken over.
+   write it again and learns it was taken over (moved to a new id first: once it is sealed or gone).
 2. **Ledger**: every settled charge's row is written (one someone else wrote first is theirs to
    count; a taker's raise of a lost part counts if it is in the row). An open entry (a request, or
    a lost part its taker knew of) is charged ``ended: lost``: its row raised (``ledger.raised``) to
@@ -171,7 +171,7 @@ class JournalEntry:
 
         return cls(
             doc["id"],
-            Payer.of({"request_id": doc["id"], **doc}),  # (older journals name the request nowhere else)
+            Payer.of(doc),
             doc["model"],
             int(doc.get("prompt") or 0),
             parsed(doc.get("needs")),
@@ -202,7 +202,7 @@ class Journal:
         self._lapse: float | None = None  # when the first counter listed but not needed lapses (_listing)
         self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
         self._etag: str | None = None
-        self._name: str | None = None
+        self._instance: str | None = None  # the incarnation this journal is written for
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()  # a request waits for the next write (_next_write): no pause first
         self._writer: asyncio.Task | None = None
@@ -327,8 +327,10 @@ class Journal:
     async def _write_once(self) -> None:
         instance = self.instances.id
         name = journal_name(instance)
-        if name != self._name:  # a new incarnation (the old one was taken over): a new journal
-            self._name, self._etag = name, None
+        if instance != self._instance:  # a new incarnation (the old one was declared dead): a new journal
+            if self._instance is not None and self._etag is not None:
+                await self._hand_over(self._instance)
+            self._instance, self._etag = instance, None
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
             for key, e in self.entries.items()
@@ -352,12 +354,11 @@ class Journal:
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
-            found = await self.store.get_blob(name)
-            if found is None or json.loads(found[0]).get("sealed_by"):
-                self._taken_over()  # sealed (or taken over and deleted) by another instance
+            if (etag := await self._unsealed(name)) is None:
+                self._taken_over()
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
-            self._etag = await self.store.put(name, data, etag=found[1])
+            self._etag = await self.store.put(name, data, etag=etag)
         self._listed_counters = set(listed)
         for entry in in_doc:
             entry.listed = True
@@ -402,6 +403,21 @@ class Journal:
                 backoff = min(backoff * 2, 10.0)
             else:
                 backoff = self.interval
+
+    async def _unsealed(self, name: str) -> str | None:
+        """The ETag of journal ``name`` if it is there unsealed; None if another instance sealed it
+        (or sealed and deleted it: taken over)."""
+        found = await self.store.get_blob(name)
+        return found[1] if found is not None and not json.loads(found[0]).get("sealed_by") else None
+
+    async def _hand_over(self, old: str) -> None:
+        """This instance was declared dead as ``old`` before a write met the seal: what that journal
+        listed is its taker's once it is sealed or gone; until then (``old``'s row still there) the
+        write waits, failing. Unsealed with the row gone, nobody will take it: it stays ours."""
+        if await self._unsealed(journal_name(old)) is None:
+            self._taken_over()
+        elif await self.instances.silent_for(old) < float("inf"):
+            raise StoreError("the journal of this instance's previous incarnation waits for its takeover")
 
     def _taken_over(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
@@ -569,11 +585,9 @@ class Recovery:
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 
 
-def _in_window(window: str | None, day: str | None) -> bool:
+def _in_window(window: str | None, day: str) -> bool:
     """Whether a budget row's ``window`` is that of a request started on ``day`` (its ledger day): a
     charge of a window that is over goes into no row (counters.py), not into the next window's."""
-    if not day:
-        return True
     at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
     return window in {window_of(period, at) for period in ("day", "month", "total")}
 

@@ -742,6 +742,40 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     await b.close()
 
 
+@pytest.mark.parametrize("sealed", ["before", "after"])
+async def test_a_slow_instance_declared_dead_before_its_journal_meets_the_seal_counts_nothing_twice(sealed):
+    """a is only slow: r1 is settled, in a's journal and in the ledger, but not in the budget rows yet
+    (a's counter writes fail). b takes a's instance row (``taken_by``) and a's next beat moves a to a
+    new id; b settles a's journal (r1 into the rows) ``before`` a's journal writes again, now under
+    its new name, or ``after`` it tried. a's journal never meets the seal, yet knows that what it had
+    listed is b's (the old journal sealed or gone, or still there while b's takeover is not over: it
+    waits), so a's counters do not bring r1 into the rows a second time (they did: 300 for 150)."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission) and isinstance(a.store, MemoryStore)
+    rows_blocked = a.store.inject(Fault("unavailable", frozenset({"replace"}), table=LIMITS_TABLE, times=10**9))
+    finish(acc_a, r1, rec1, usage(100, 50))
+    await until(lambda: r1.entry.written.is_set(), what="r1 journaled settled, and in the ledger")
+    journal_blocked = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
+    taken = {"PartitionKey": "instances", "RowKey": "instance-a", "taken_by": "instance-b", "at": 0.0}
+    await b.store.upsert(STREAMS_TABLE, taken)
+    await until(lambda: a.instances.id != "instance-a", within=10, what="a's beat finds its row taken: a new id")
+    if sealed == "after":
+        journal_blocked.times = 0
+        acc_a.write_checkpoints()
+        await asyncio.sleep(0.5)
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    await b.store.delete(STREAMS_TABLE, "instances", "instance-a")  # the takeover is over
+    rows_blocked.times = journal_blocked.times = 0
+    assert await acc_a.flush(5)
+    assert r1.entry.taken_over
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await a.close()
+    await b.close()
+
+
 @pytest.mark.parametrize("first", ["journal", "counters"])
 async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_request_ends_charges_it_once(first, caplog):
     """a is only slow: b takes it over with r0 and r1 open (both charged as lost at their checkpoints).
