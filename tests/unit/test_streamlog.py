@@ -598,6 +598,19 @@ async def test_writes_are_batched():
         assert took / 0.05 / 3 <= counts[1] <= took / 0.05 + 3
 
 
+async def test_a_streams_first_write_makes_its_blob_before_appending_when_no_reader_is_known():
+    """A stream nobody follows, past one checkpoint: its blob is made, then appended to, twice (the
+    checkpoint, the end). Before, the first append went first and was refused (no blob yet): a
+    quarter of such a stream's blob writes, and 200 calls of test_resumable's 200-stream burst."""
+    async with instances(2, **{**QUICK, "checkpoint_seconds": 1.0}) as (a, b):
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(15)], gap=0.1)
+        assert await producer.wait_stored(5)
+        assert a.store.counts[f"append:{producer.id}"] == 2  # type: ignore[attr-defined]
+        assert a.store.data.calls["append_create"] == 1  # type: ignore[attr-defined]
+        assert await read_all(await b.open_reader(producer.id, None, None)) == live
+
+
 async def test_a_short_stream_nobody_follows_is_stored_in_its_record_alone():
     """Ended before its first write, with nobody elsewhere following: the record's insert and its
     end, which carries the whole log; no blob. Read back exactly on both instances."""

@@ -570,18 +570,25 @@ class Producer:
         answer was lost, perhaps). Modified: someone else's bytes are there (a takeover's fence)."""
         store = self._ctx.store
         offset = self._stored_bytes
+        followed = self._following or bool(attempt.acks)
+
+        async def make() -> None:
+            with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, a reader's, or a takeover's fence
+                await store.append_create(self.id, timeout=BUSY_TIMEOUT)
+            self._blob = True
+
         try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
-            async with self._ctx.turns(first=self._following or bool(attempt.acks)):
+            async with self._ctx.turns(first=followed):
+                if not (self._blob or followed):  # the first write, nobody known elsewhere: made first
+                    await make()
                 try:
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:
-                    # Not made yet (a reader elsewhere makes it as it registers, so the write it
-                    # waits for is one call): make it, then append.
+                    # Not made yet, though a reader elsewhere was known (it makes it as it registers,
+                    # so the write it waits for is one call): make it, then append.
                     if self._blob:
                         raise
-                    with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
-                        await store.append_create(self.id, timeout=BUSY_TIMEOUT)
-                    self._blob = True
+                    await make()
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
             self._blob = True
         except StoreUnavailable:
