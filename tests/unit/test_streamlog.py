@@ -444,6 +444,22 @@ async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_stor
             assert len(got) == 1 and b'"stream_lost"' in got[0][1], got
 
 
+async def test_a_records_insert_unanswered_once_is_waited_for_as_long_as_a_busy_store_takes():
+    """The store stops answering as the stream starts and answers again 10.5 s later: the record's
+    first insert is cut at 8 s (BUSY_TIMEOUT), its second is waited for and the stream stays
+    resumable (before, the second try had what was left of give_up_seconds, 1.8 s, and the producer
+    gave up on a store that answered the lost record's insert next)."""
+    async with instances(2, **{**QUICK, "give_up_seconds": 10.0}) as (a, b):
+        await a.instances.first_beat()
+        a.store.freeze()  # type: ignore[attr-defined]
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(3)])
+        await asyncio.sleep(10.5)
+        a.store.thaw()  # type: ignore[attr-defined]
+        assert await producer.wait_stored(30) and producer.resumable
+        assert await read_all(await b.open_reader(producer.id, None, None), limit=5) == live
+
+
 async def test_a_records_insert_meeting_a_missing_table_is_tried_again():
     """The streams table answers 404 (deleted under the app, re-created by the edge) to the record's
     first inserts: the insert is tried again until give_up_seconds, as any store failure, and the

@@ -56,7 +56,8 @@ class ResumeConfig:
     inbox_young_seconds: float = 0.1
     young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
-    # A producer that gave up before its record landed then writes it, lost: one call of a busy store.
+    # A reader elsewhere waits this much longer for a record: the create's last call (of a busy store),
+    # or a producer that gave up before its record landed writes it, lost.
     lost_record_seconds: float = BUSY_TIMEOUT
     # A reading that starts past what is stored of a live stream elsewhere: wait at most this long for the
     # producer to store it, or to acknowledge the reader with its last id.
