@@ -364,8 +364,8 @@ def paced_upstream():
 def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(paced_upstream, azurite, start_app):
     """Issue #21's load test: 200 resumable streams at once over two instances, each dropped after a
     random number of events (or read to its end) and resumed on the other instance; a 503 (the
-    instance could not reach the store within its bound: 1.8 s, 8 s while its answers are slow) is
-    retried after its Retry-After, as a client does.
+    instance too busy to reach the store within the 1.8 s bound) is retried after its Retry-After,
+    as a client does.
 
     Every stream is exact, but for what docs/resumable.md promises of a store that fails a stream's
     writes for 10 s (give_up_seconds): that stream stops being stored and its resume ends with
