@@ -390,8 +390,7 @@ class Producer:
     async def run(self) -> None:
         """Store the stream; then return at its end (the log knows it until then: readers here,
         cancels and abandonment still need it when it is not stored any more)."""
-        self._ctx.instances.serve()  # (seen alive while it produces)
-        try:
+        try:  # (seen alive first: ``_create`` waits for this instance's first beat, a takeover did)
             if self._blob or await self._create():  # (a continuation's record is the claim's)
                 await self._write_all()
         except Exception:  # a bug of ours must not take the live stream with it
